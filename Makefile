@@ -1,0 +1,27 @@
+# The README's two commands are `make run` and `make test`; both install first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch 2.13.0 is the CPU build on this kind of machine's disk; any torch already in the venv is kept.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install test test-fast lint run clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(VENV)/bin/pytest
+
+test-fast: lint
+	$(VENV)/bin/pytest -m "not slow"
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info
