@@ -45,6 +45,13 @@ def _check_bool(name: str, value: Any) -> bool:
     return value
 
 
+def _human_bytes(size: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if size >= 1 << shift:
+            return f"{size / (1 << shift):g} {unit}"
+    return f"{size} B"
+
+
 def bucket_size_2p_for(bucket_size: int) -> int:
     """The exponent of the power of two nearest (in log scale) to ``bucket_size`` bytes.
 
@@ -89,6 +96,11 @@ class Hyperparameters:
     def bucket_size(self) -> int:
         """The bucket size in bytes."""
         return 1 << self.bucket_size_2p
+
+    def describe(self) -> str:
+        """A short human form, e.g. ``bucket 2^22 B (4 MiB), flat``."""
+        shape = "hierarchical" if self.is_hierarchical_reduce else "flat"
+        return f"bucket 2^{self.bucket_size_2p} B ({_human_bytes(self.bucket_size)}), {shape}"
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form used in the REST API and the best-file."""

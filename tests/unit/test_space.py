@@ -188,3 +188,16 @@ def test_model_facts_must_be_consistent():
 def test_importing_space_and_package_does_not_import_torch():
     code = "import distune, distune.space, sys; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    ("hp", "text"),
+    [
+        (Hyperparameters(22, False), "bucket 2^22 B (4 MiB), flat"),
+        (Hyperparameters(16, True), "bucket 2^16 B (64 KiB), hierarchical"),
+        (Hyperparameters(31, False), "bucket 2^31 B (2 GiB), flat"),
+        (Hyperparameters(3, False), "bucket 2^3 B (8 B), flat"),
+    ],
+)
+def test_describe_is_short_and_human(hp, text):
+    assert hp.describe() == text
