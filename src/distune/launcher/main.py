@@ -1,0 +1,84 @@
+"""``distune-run``: torchrun, plus the tuning service's lifecycle around the workers.
+
+Order of events: parse and validate everything (exit 2 on any bad value, before any process
+exists); start the service if this node hosts it and wait until it answers; hand the workers
+their ``DISTUNE_*`` settings through the environment; run the workers with torch's elastic
+launcher (restarts included: the service outlives them); whatever the outcome, read the final
+status, stop the service and print the summary. The exit code is the workers'.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from types import FrameType
+
+import torch.distributed.run as torchrun
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from distune.launcher.options import OptionError, parse
+from distune.launcher.plan import LaunchPlan, plan_launch
+from distune.launcher.service_process import ServiceStartError, TuningServiceProcess
+from distune.launcher.summary import format_summary
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _raise_signal(signum: int, frame: FrameType | None) -> None:
+    # The same exception torch's elastic agent raises once it runs, so one handler covers both.
+    raise SignalException(f"distune-run got {signal.Signals(signum).name}", signal.Signals(signum))
+
+
+def _failure_exit_code(error: ChildFailedError) -> int:
+    _, failure = error.get_first_failure()
+    # A worker killed by signal N has exit code -N; shells report it as 128 + N.
+    return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+
+
+def _run_workers(args: object, plan: LaunchPlan) -> int:
+    os.environ.update(plan.settings.to_env())
+    try:
+        torchrun.run(args)
+    except ChildFailedError as error:
+        print(error.format_msg(), file=sys.stderr)
+        return _failure_exit_code(error)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one job; returns the exit code (the workers', 2 for bad flags)."""
+    args, options = parse(argv)
+    try:
+        plan = plan_launch(args, options)
+    except OptionError as error:
+        print(f"distune-run: error: {error}", file=sys.stderr)
+        return 2
+    for stop_signal in _STOP_SIGNALS:
+        signal.signal(stop_signal, _raise_signal)
+
+    service: TuningServiceProcess | None = None
+    try:
+        if plan.starts_service:
+            assert plan.token is not None
+            service = TuningServiceProcess.start(list(plan.service_args), plan.token)
+            plan = plan.with_service_url(service.url)
+            print(f"distune: tuning service at {service.url} (pid {service.pid})", flush=True)
+        return _run_workers(args, plan)
+    except ServiceStartError as error:
+        print(f"distune-run: error: tuning service: {error}", file=sys.stderr)
+        return 1
+    except SignalException as error:
+        print(f"distune-run: stopping on {error.sigval.name}", file=sys.stderr)
+        return 128 + error.sigval
+    finally:
+        if service is not None:
+            # Cleanup is bounded in time; a second Ctrl-C must not leave the service behind.
+            for stop_signal in _STOP_SIGNALS:
+                signal.signal(stop_signal, signal.SIG_IGN)
+            status = service.status()
+            service.stop()
+            best_file = str(options.autotune_best_file) if options.autotune_best_file else None
+            for line in format_summary(status, service.log_file, best_file):
+                print(line, flush=True)

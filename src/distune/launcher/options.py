@@ -1,0 +1,294 @@
+"""The autotune flags of ``distune-run``, added to torchrun's own parser, and their validation.
+
+Every torchrun flag comes from ``torch.distributed.run.get_args_parser`` unchanged (defaults,
+both spellings, ``PET_*`` fallbacks). The autotune flags are merged with an optional
+``--autotune_config`` file (command-line flags win) into one frozen :class:`AutotuneOptions`.
+Every invalid value is a :class:`OptionError` whose one-line message names the flag and what is
+allowed; the launcher turns it into exit code 2 before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, NoReturn
+from urllib.parse import urlsplit
+
+from torch.distributed.run import get_args_parser
+
+from distune.launcher.config_file import ConfigError, load_config
+
+
+class OptionError(ValueError):
+    """An autotune flag or config key holds a value it may not; the message names it."""
+
+
+@dataclass(frozen=True)
+class AutotuneOptions:
+    """The autotune settings of one ``distune-run``, validated.
+
+    ``None`` means "not given": the tuning service's own default applies (or, for the fixed
+    knobs, the knob is tuned).
+    """
+
+    autotune_level: int = 0
+    autotune_max_samples: int | None = None
+    autotune_sampling_confidence_time: float | None = None
+    autotune_warmup_time: float | None = None
+    is_output_autotune_log: bool = False
+    autotune_log_file: Path | None = None
+    autotune_service_port: int | None = None
+    autotune_service_addr: str | None = None
+    default_bucket_size: int | None = None
+    bucket_size: int | None = None
+    hierarchical_reduce: bool | None = None
+    autotune_best_file: Path | None = None
+
+    @property
+    def writes_log(self) -> bool:
+        """Whether a CSV log is written (``--autotune_log_file`` implies it)."""
+        return self.is_output_autotune_log or self.autotune_log_file is not None
+
+
+def _reject_bool(value: Any) -> None:
+    # YAML's `yes` and JSON's `true` parse to bool, which Python also treats as an int.
+    if isinstance(value, bool):
+        raise OptionError(f"must be a number, got {value!r}")
+
+
+def _level(value: Any) -> int:
+    _reject_bool(value)
+    if str(value).strip() not in ("0", "1"):
+        raise OptionError(f"must be 0 or 1, got {value!r}")
+    return int(value)
+
+
+def _positive_int(value: Any) -> int:
+    _reject_bool(value)
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise OptionError(f"must be an integer of at least 1, got {value!r}")
+    return number
+
+
+def _positive_seconds(value: Any) -> float:
+    _reject_bool(value)
+    try:
+        seconds = float(str(value).strip())
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise OptionError(f"must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
+def _bytes(value: Any) -> int:
+    _reject_bool(value)
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise OptionError(f"must be a positive whole number of bytes, got {value!r}")
+    return number
+
+
+def _port(value: Any) -> int:
+    _reject_bool(value)
+    try:
+        port = int(str(value).strip())
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise OptionError(f"must be a port in [0, 65535] (0: a free one), got {value!r}")
+    return port
+
+
+def _url(value: Any) -> str:
+    text = str(value).strip().rstrip("/")
+    try:
+        parts = urlsplit(text)
+        valid = (
+            parts.scheme in ("http", "https")
+            and bool(parts.hostname)
+            and parts.port is not None
+            and not (parts.path or parts.query or parts.fragment)
+        )
+    except ValueError:  # e.g. a port that is not a number
+        valid = False
+    if not valid:
+        raise OptionError(f"must be a URL like http://HOST:PORT, got {value!r}")
+    return text
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise OptionError(f"must be true or false, got {value!r}")
+    return value
+
+
+def _output_path(value: Any) -> Path:
+    """A file to create: its directory must exist, and it must not be a symlink."""
+    if not isinstance(value, str | Path) or not str(value).strip():
+        raise OptionError(f"must be a file path, got {value!r}")
+    path = Path(value).expanduser()
+    if not path.parent.is_dir():
+        raise OptionError(f"directory {str(path.parent)!r} does not exist")
+    if path.is_symlink():
+        raise OptionError(f"{str(path)!r} is a symlink, which is refused")
+    if path.is_dir():
+        raise OptionError(f"{str(path)!r} is a directory, not a file")
+    return path
+
+
+# dest -> validator(value), shared by the command line and config files.
+_VALIDATORS: Mapping[str, Callable[[Any], Any]] = {
+    "autotune_level": _level,
+    "autotune_max_samples": _positive_int,
+    "autotune_sampling_confidence_time": _positive_seconds,
+    "autotune_warmup_time": _positive_seconds,
+    "is_output_autotune_log": _bool,
+    "autotune_log_file": _output_path,
+    "autotune_service_port": _port,
+    "autotune_service_addr": _url,
+    "default_bucket_size": _bytes,
+    "bucket_size": _bytes,
+    "hierarchical_reduce": _bool,
+    "autotune_best_file": _output_path,
+}
+
+#: Keys a config file may hold besides the flags: the informational part of a best-file.
+INFORMATIONAL_CONFIG_KEYS = frozenset({"autotune_result"})
+
+
+class LauncherArgumentParser(argparse.ArgumentParser):
+    """torchrun's parser, with one-line errors (``distune-run: error: ...``) and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _cli_type(dest: str) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return _VALIDATORS[dest](text)
+        except OptionError as error:
+            # argparse prefixes the message with the flag's spellings.
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    convert.__name__ = dest  # argparse names the type in some messages
+    return convert
+
+
+def build_parser() -> LauncherArgumentParser:
+    """torchrun's argument parser plus the autotune flags, both spellings of each."""
+    parser = LauncherArgumentParser(
+        prog="distune-run",
+        description="torchrun with online tuning of data-parallel communication (distune).",
+        parents=[get_args_parser()],
+        add_help=False,  # the parent's -h/--help is inherited
+    )
+    group = parser.add_argument_group("autotune", "distune's flags; the others are torchrun's")
+
+    def add(dest: str, help_text: str, metavar: str | None = None) -> None:
+        group.add_argument(
+            f"--{dest}",
+            f"--{dest.replace('_', '-')}",
+            dest=dest,
+            type=_cli_type(dest),
+            default=None,
+            metavar=metavar,
+            help=help_text,
+        )
+
+    add("autotune_level", "0: no tuning, no service (default); 1: tune online", "{0,1}")
+    add("autotune_max_samples", "at most N sampled groups", "N")
+    add("autotune_sampling_confidence_time", "seconds each group is measured", "T")
+    add("autotune_warmup_time", "seconds ignored at the start", "W")
+    group.add_argument(
+        "--is_output_autotune_log",
+        "--is-output-autotune-log",
+        dest="is_output_autotune_log",
+        action="store_const",
+        const=True,
+        default=None,
+        help="write the CSV log to /tmp/distune_autotune_<random>.log",
+    )
+    add("autotune_log_file", "write the CSV log to PATH (implies the log)", "PATH")
+    add("autotune_service_port", "port of the tuning service (default: a free one)", "P")
+    add("autotune_service_addr", "where workers reach the service (multi-node: node 0's)", "URL")
+    add("default_bucket_size", "the default group's bucket size (default 25 MiB)", "BYTES")
+    add("bucket_size", "fix the bucket size: it is not tuned", "BYTES")
+    group.add_argument(
+        "--hierarchical_reduce",
+        "--hierarchical-reduce",
+        dest="hierarchical_reduce",
+        action="store_const",
+        const=True,
+        default=None,
+        help="fix hierarchical allreduce on: it is not tuned",
+    )
+    group.add_argument(
+        "--no-hierarchical_reduce",
+        "--no_hierarchical_reduce",
+        "--no-hierarchical-reduce",
+        dest="hierarchical_reduce",
+        action="store_const",
+        const=False,
+        help="fix hierarchical allreduce off: it is not tuned",
+    )
+    group.add_argument(
+        "--autotune_config",
+        "--autotune-config",
+        dest="autotune_config",
+        default=None,
+        metavar="FILE",
+        help="YAML or JSON with the same settings (a best-file is one); flags win",
+    )
+    add("autotune_best_file", "write the chosen group and its gain as JSON here", "PATH")
+    return parser
+
+
+def options_from_args(args: argparse.Namespace) -> AutotuneOptions:
+    """Merge the config file (if any) under the command-line flags and validate the result."""
+    values: dict[str, Any] = {}
+    if args.autotune_config is not None:
+        try:
+            config = load_config(Path(args.autotune_config))
+        except ConfigError as error:
+            raise OptionError(f"--autotune_config: {error}") from None
+        known = set(_VALIDATORS) | INFORMATIONAL_CONFIG_KEYS
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise OptionError(
+                f"--autotune_config: unknown key(s) {', '.join(map(repr, unknown))} in "
+                f"{args.autotune_config}; allowed: {', '.join(sorted(_VALIDATORS))}"
+            )
+        for dest, value in config.items():
+            if dest in _VALIDATORS:
+                try:
+                    values[dest] = _VALIDATORS[dest](value)
+                except OptionError as error:
+                    raise OptionError(f"--autotune_config: {dest} {error}") from None
+    for field in fields(AutotuneOptions):
+        given = getattr(args, field.name)
+        if given is not None:
+            values[field.name] = given
+    return AutotuneOptions(**values)
+
+
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, AutotuneOptions]:
+    """Parse a ``distune-run`` command line; exit 2 with one line on any invalid value."""
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return args, options_from_args(args)
+    except OptionError as error:
+        parser.error(str(error))

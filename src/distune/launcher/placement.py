@@ -1,0 +1,116 @@
+"""Which node runs the tuning service, on which address, and the URL every worker uses.
+
+A single-node job keeps the service on loopback, on a free port. A multi-node job runs it on one
+node only, bound to the address the other nodes reach it by, on a port every node can compute
+without talking to the others:
+
+* static rendezvous: node_rank 0 hosts it, at ``--master_addr``;
+* other rendezvous backends (c10d, ...): the node that owns the rendezvous endpoint's address
+  hosts it, or the node that owns ``--autotune_service_addr``'s address when that is given;
+* the port is ``--autotune_service_port``, else the URL's, else the rendezvous port + 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from torch.distributed.run import parse_min_max_nnodes
+
+from distune.launcher.options import AutotuneOptions, OptionError
+
+LOOPBACK = "127.0.0.1"
+#: torchrun's defaults, used when the command line leaves the rendezvous port unsaid.
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_C10D_PORT = 29400
+
+
+@dataclass(frozen=True)
+class ServicePlacement:
+    """Where the tuning service of this job runs, as seen from this node.
+
+    ``port`` 0 means a free port picked when the service starts (single-node only), so the
+    workers' URL is known only then.
+    """
+
+    hosted_here: bool
+    host: str
+    port: int
+    multi_node: bool
+
+    @property
+    def url(self) -> str:
+        """The URL workers use (for a hosted port-0 service, the port is filled in at start)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+def is_local_address(host: str) -> bool:
+    """Whether ``host`` names an address of this machine: binding to it succeeds only then."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    for family, _, _, _, address in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address[0], 0))
+            except OSError:
+                continue
+            return True
+    return False
+
+
+def _split_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    if not host:  # no port given
+        return endpoint.strip("[]"), default_port
+    return host.strip("[]"), int(port) if port.isdigit() else default_port
+
+
+def place_service(args: argparse.Namespace, options: AutotuneOptions) -> ServicePlacement:
+    """Decide this node's role from torchrun's rendezvous flags and the autotune options."""
+    _, max_nodes = parse_min_max_nnodes(args.nnodes)
+    multi_node = max_nodes > 1 and not args.standalone
+    given = urlsplit(options.autotune_service_addr) if options.autotune_service_addr else None
+    if given is not None and options.autotune_service_port not in (None, given.port):
+        raise OptionError(
+            f"--autotune_service_port {options.autotune_service_port} contradicts "
+            f"--autotune_service_addr {options.autotune_service_addr}"
+        )
+
+    if not multi_node:
+        host = given.hostname if given is not None else LOOPBACK
+        port = given.port if given is not None else (options.autotune_service_port or 0)
+        if not is_local_address(host):
+            raise OptionError(
+                f"--autotune_service_addr {options.autotune_service_addr}: a single-node job "
+                "hosts its service itself, so the address must be one of this machine's"
+            )
+        return ServicePlacement(hosted_here=True, host=host, port=port, multi_node=False)
+
+    if args.rdzv_backend == "static" and not args.rdzv_endpoint:
+        rdzv_host = args.master_addr
+        rdzv_port = args.master_port or DEFAULT_MASTER_PORT
+    else:
+        default = DEFAULT_MASTER_PORT if args.rdzv_backend == "static" else DEFAULT_C10D_PORT
+        rdzv_host, rdzv_port = _split_endpoint(args.rdzv_endpoint, default)
+    host = given.hostname if given is not None else rdzv_host
+    if given is not None:
+        port = given.port
+    elif options.autotune_service_port is not None:
+        port = options.autotune_service_port
+    else:
+        port = rdzv_port + 1
+    if port == 0:
+        raise OptionError(
+            "--autotune_service_port 0 (a free port) works for a single node only: "
+            "the other nodes must know the port in advance"
+        )
+    if args.rdzv_backend == "static":
+        hosted_here = int(args.node_rank) == 0
+    else:
+        hosted_here = is_local_address(host)
+    return ServicePlacement(hosted_here=hosted_here, host=host, port=port, multi_node=True)

@@ -1,0 +1,109 @@
+"""What a ``distune-run`` will start, decided before anything starts.
+
+From torchrun's flags and the autotune options, the plan says whether this job is tuned at all,
+whether this node hosts the tuning service (and with which arguments), which token guards it,
+and which ``DISTUNE_*`` settings the workers get. Every inconsistency is an
+:class:`~distune.launcher.options.OptionError` raised here, so the launcher can refuse the job
+with one line before a single process exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+from dataclasses import dataclass, replace
+
+from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
+
+from distune.launcher.options import AutotuneOptions, OptionError
+from distune.launcher.placement import ServicePlacement, place_service
+from distune.space import DEFAULT_BUCKET_SIZE, bucket_size_2p_for
+from distune.worker_settings import SERVICE_TOKEN, WorkerSettings
+
+#: Where ``--is_output_autotune_log`` puts the log (with an unpredictable name), as Bagua does.
+DEFAULT_LOG_DIR = "/tmp"
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """The decisions of one launch; ``placement`` is None when no service is involved."""
+
+    placement: ServicePlacement | None
+    service_args: tuple[str, ...]
+    token: str | None
+    settings: WorkerSettings
+
+    @property
+    def starts_service(self) -> bool:
+        """Whether this launcher starts the tuning service."""
+        return self.placement is not None and self.placement.hosted_here
+
+    def with_service_url(self, url: str) -> LaunchPlan:
+        """The plan once the service is listening (a free port is known only then)."""
+        return replace(self, settings=replace(self.settings, service_url=url))
+
+
+def _hierarchical_possible(args: argparse.Namespace) -> bool:
+    _, max_nodes = parse_min_max_nnodes(args.nnodes)
+    return (
+        max_nodes > 1
+        and not args.standalone
+        and determine_local_world_size(args.nproc_per_node) > 1
+    )
+
+
+def _service_args(options: AutotuneOptions, placement: ServicePlacement) -> tuple[str, ...]:
+    argv = ["--host", placement.host, "--port", str(placement.port)]
+    if options.autotune_log_file is not None:
+        argv += ["--log-file", str(options.autotune_log_file)]
+    elif options.is_output_autotune_log:
+        argv += ["--log-dir", DEFAULT_LOG_DIR]
+    for flag, value in (
+        ("--max-samples", options.autotune_max_samples),
+        ("--sampling-confidence-time", options.autotune_sampling_confidence_time),
+        ("--warmup-time", options.autotune_warmup_time),
+        ("--default-bucket-size", options.default_bucket_size),
+        ("--best-file", options.autotune_best_file),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
+    fixed = []
+    if options.bucket_size is not None:
+        fixed.append(f"bucket_size_2p={bucket_size_2p_for(options.bucket_size)}")
+    if options.hierarchical_reduce is not None:
+        fixed.append(f"is_hierarchical_reduce={str(options.hierarchical_reduce).lower()}")
+    if fixed:
+        argv += ["--fixed", *fixed]
+    return tuple(argv)
+
+
+def plan_launch(args: argparse.Namespace, options: AutotuneOptions) -> LaunchPlan:
+    """Decide what to start; raises OptionError for settings that cannot work together."""
+    settings = WorkerSettings(
+        autotune_level=options.autotune_level,
+        bucket_size=options.bucket_size,
+        hierarchical_reduce=options.hierarchical_reduce,
+        default_bucket_size=options.default_bucket_size or DEFAULT_BUCKET_SIZE,
+    )
+    all_fixed = options.bucket_size is not None and (
+        options.hierarchical_reduce is not None or not _hierarchical_possible(args)
+    )
+    if options.autotune_level == 0 or all_fixed:
+        # Nothing to tune: the workers run the fixed (or default) group and no service exists.
+        return LaunchPlan(placement=None, service_args=(), token=None, settings=settings)
+
+    placement = place_service(args, options)
+    token = os.environ.get(SERVICE_TOKEN) or None
+    if token is None:
+        if placement.multi_node:
+            raise OptionError(
+                f"multi-node tuning needs {SERVICE_TOKEN} set to the same secret on every node "
+                "(the service is reachable from the network)"
+            )
+        token = secrets.token_urlsafe(32)
+    settings = replace(settings, service_url=placement.url, service_token=token)
+    service_args = _service_args(options, placement) if placement.hosted_here else ()
+    return LaunchPlan(
+        placement=placement, service_args=service_args, token=token, settings=settings
+    )

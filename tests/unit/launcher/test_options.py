@@ -1,0 +1,147 @@
+"""distune-run's flags: torchrun's pass through, autotune flags validated, config files merged."""
+
+import json
+
+import pytest
+
+from distune.launcher.options import AutotuneOptions, parse
+
+
+def test_torchrun_flags_pass_through_with_both_spellings():
+    args, options = parse(["--nproc-per-node", "2", "--max_restarts", "3", "train.py", "--lr", "1"])
+    assert args.nproc_per_node == "2"
+    assert args.max_restarts == 3
+    assert args.training_script == "train.py"
+    assert args.training_script_args == ["--lr", "1"]
+    assert options == AutotuneOptions()
+
+
+def test_torchrun_pet_environment_fallback(monkeypatch):
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "4")
+    args, _ = parse(["train.py"])
+    assert args.nproc_per_node == "4"
+
+
+def test_autotune_flags_in_both_spellings():
+    _, options = parse(
+        [
+            "--autotune-level", "1",
+            "--autotune_max_samples", "12",
+            "--autotune-sampling-confidence-time", "2.5",
+            "--autotune_warmup_time", "3",
+            "--is-output-autotune-log",
+            "--default_bucket_size", "4194304",
+            "--bucket-size", "1048576",
+            "--no-hierarchical-reduce",
+            "train.py",
+        ]
+    )  # fmt: skip
+    assert options == AutotuneOptions(
+        autotune_level=1,
+        autotune_max_samples=12,
+        autotune_sampling_confidence_time=2.5,
+        autotune_warmup_time=3.0,
+        is_output_autotune_log=True,
+        default_bucket_size=4194304,
+        bucket_size=1048576,
+        hierarchical_reduce=False,
+    )
+    assert options.writes_log
+
+
+@pytest.mark.parametrize("spelling", ["--hierarchical_reduce", "--hierarchical-reduce"])
+def test_hierarchical_on(spelling):
+    assert parse([spelling, "t.py"])[1].hierarchical_reduce is True
+
+
+@pytest.mark.parametrize(
+    "spelling", ["--no-hierarchical_reduce", "--no_hierarchical_reduce", "--no-hierarchical-reduce"]
+)
+def test_hierarchical_off(spelling):
+    assert parse([spelling, "t.py"])[1].hierarchical_reduce is False
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--autotune_level", "2"], "--autotune_level/--autotune-level: must be 0 or 1, got '2'"),
+        (["--autotune_max_samples", "0"], "must be an integer of at least 1, got '0'"),
+        (["--autotune_warmup_time", "-1"], "--autotune-warmup-time: must be a positive number of seconds"),
+        (["--autotune_warmup_time", "0"], "must be a positive number of seconds, got '0'"),
+        (["--autotune_sampling_confidence_time", "nan"], "must be a positive number of seconds"),
+        (["--autotune_sampling_confidence_time", "inf"], "must be a positive number of seconds"),
+        (["--bucket_size", "1.5"], "--bucket-size: must be a positive whole number of bytes"),
+        (["--default_bucket_size", "-4"], "must be a positive whole number of bytes"),
+        (["--autotune_service_port", "70000"], "must be a port in [0, 65535]"),
+        (["--autotune_service_addr", "node0:29501"], "must be a URL like http://HOST:PORT"),
+        (["--autotune_service_addr", "http://node0"], "must be a URL like http://HOST:PORT"),
+        (["--autotune_log_file", "/no/such/dir/x.log"], "directory '/no/such/dir' does not exist"),
+        (["--autotune_best_file", "/no/such/b.json"], "directory '/no/such' does not exist"),
+        (["--autotune_config", "/no/such/c.yml"], "--autotune_config: cannot read '/no/such/c.yml'"),
+    ],
+)  # fmt: skip
+def test_invalid_values_exit_2_with_one_line_naming_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse([*argv, "train.py"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("distune-run: error: ")
+    assert message in err
+
+
+def test_symlinked_log_path_is_refused(tmp_path, capsys):
+    target = tmp_path / "elsewhere.log"
+    target.write_text("")
+    (tmp_path / "link.log").symlink_to(target)
+    with pytest.raises(SystemExit):
+        parse(["--autotune_log_file", str(tmp_path / "link.log"), "t.py"])
+    assert "is a symlink, which is refused" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_config_file_is_merged_and_flags_win(tmp_path, suffix):
+    settings = {"autotune_level": 1, "autotune_max_samples": 30, "bucket_size": 2**22}
+    path = tmp_path / f"c{suffix}"
+    if suffix == ".json":
+        path.write_text(json.dumps(settings))
+    else:
+        path.write_text("autotune_level: 1\nautotune_max_samples: 30\nbucket_size: 4194304\n")
+    _, options = parse(["--autotune_config", str(path), "--autotune_max_samples", "5", "t.py"])
+    assert options.autotune_level == 1
+    assert options.bucket_size == 2**22
+    assert options.autotune_max_samples == 5
+
+
+def test_best_file_is_a_config_file(tmp_path):
+    best = {
+        "bucket_size": 2**22,
+        "hierarchical_reduce": False,
+        "autotune_result": {"models": {"model0": {"score": 10.0, "gain_vs_default": 0.1}}},
+    }
+    path = tmp_path / "best.json"
+    path.write_text(json.dumps(best))
+    _, options = parse(["--autotune_config", str(path), "--autotune_level", "1", "t.py"])
+    assert (options.bucket_size, options.hierarchical_reduce) == (2**22, False)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("autotune_levle: 1\nbucket_sise: 3\n", "unknown key(s) 'autotune_levle', 'bucket_sise'"),
+        ("autotune_warmup_time: -2\n", "autotune_warmup_time must be a positive number of seconds"),
+        ("bucket_size: true\n", "bucket_size must be a number, got True"),
+        ("hierarchical_reduce: 1\n", "hierarchical_reduce must be true or false, got 1"),
+        ("[1, 2]\n", "must hold a mapping of setting names to values"),
+        ("a: [unclosed\n", "is not valid YAML or JSON"),
+    ],
+)
+def test_bad_config_files_exit_2_naming_the_key(tmp_path, text, message, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        parse(["--autotune_config", str(path), "t.py"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert message in err

@@ -1,0 +1,149 @@
+"""What distune-run decides to start: service or not, where, with which settings."""
+
+import pytest
+
+from distune.launcher.options import OptionError, parse
+from distune.launcher.placement import is_local_address
+from distune.launcher.plan import plan_launch
+from distune.worker_settings import WorkerSettings
+
+
+def plan(*argv, env=None, monkeypatch=None):
+    args, options = parse([*argv, "train.py"])
+    return plan_launch(args, options)
+
+
+@pytest.fixture(autouse=True)
+def no_token(monkeypatch):
+    monkeypatch.delenv("DISTUNE_SERVICE_TOKEN", raising=False)
+
+
+def test_level_0_starts_no_service_and_tells_workers_not_to_tune():
+    launch = plan("--nproc_per_node", "2")
+    assert launch.placement is None
+    assert not launch.starts_service
+    assert launch.settings == WorkerSettings(autotune_level=0)
+    assert not launch.settings.tuning
+
+
+def test_single_node_level_1_hosts_service_on_loopback_free_port_with_random_token():
+    launch = plan("--nproc_per_node", "2", "--autotune_level", "1")
+    assert launch.starts_service
+    assert (launch.placement.host, launch.placement.port) == ("127.0.0.1", 0)
+    assert launch.service_args[:4] == ("--host", "127.0.0.1", "--port", "0")
+    assert launch.token and len(launch.token) >= 32
+    assert launch.token not in " ".join(launch.service_args)
+    assert launch.settings.service_token == launch.token
+    other = plan("--nproc_per_node", "2", "--autotune_level", "1")
+    assert other.token != launch.token
+
+
+def test_service_arguments_carry_the_tuning_settings(tmp_path):
+    launch = plan(
+        "--autotune_level", "1",
+        "--autotune_max_samples", "7",
+        "--autotune_sampling_confidence_time", "2",
+        "--autotune_warmup_time", "1.5",
+        "--autotune_log_file", str(tmp_path / "a.log"),
+        "--autotune_best_file", str(tmp_path / "best.json"),
+        "--default_bucket_size", str(2**20),
+    )  # fmt: skip
+    argv = " ".join(launch.service_args)
+    assert "--max-samples 7" in argv
+    assert "--sampling-confidence-time 2.0" in argv
+    assert "--warmup-time 1.5" in argv
+    assert f"--log-file {tmp_path / 'a.log'}" in argv
+    assert f"--best-file {tmp_path / 'best.json'}" in argv
+    assert f"--default-bucket-size {2**20}" in argv
+    assert "--fixed" not in argv
+    assert launch.settings.default_bucket_size == 2**20
+
+
+def test_output_log_goes_to_tmp_with_a_name_the_service_picks():
+    argv = " ".join(plan("--autotune_level", "1", "--is_output_autotune_log").service_args)
+    assert "--log-dir /tmp" in argv
+
+
+def test_every_knob_fixed_means_no_service():
+    single = plan("--nproc_per_node", "2", "--autotune_level", "1", "--bucket_size", "65536")
+    assert single.placement is None
+    assert single.settings.bucket_size == 65536
+    multi = plan(
+        "--nnodes", "2", "--nproc_per_node", "2", "--autotune_level", "1",
+        "--bucket_size", "65536", "--hierarchical_reduce",
+    )  # fmt: skip
+    assert multi.placement is None
+    assert multi.settings.hierarchical_reduce is True
+
+
+def test_multi_node_bucket_fixed_still_tunes_hierarchical(monkeypatch):
+    monkeypatch.setenv("DISTUNE_SERVICE_TOKEN", "s3cret")
+    launch = plan(
+        "--nnodes", "2", "--nproc_per_node", "2", "--autotune_level", "1",
+        "--bucket_size", str(3 * 2**20), "--master_addr", "127.0.0.1",
+    )  # fmt: skip
+    assert launch.starts_service
+    # 3 MiB rounds to 2^22, the nearest power of two in log scale; workers get the bytes.
+    assert "--fixed bucket_size_2p=22" in " ".join(launch.service_args)
+    assert launch.settings.bucket_size == 3 * 2**20
+
+
+def test_multi_node_needs_a_shared_token():
+    with pytest.raises(OptionError, match="multi-node tuning needs DISTUNE_SERVICE_TOKEN"):
+        plan("--nnodes", "2", "--nproc_per_node", "2", "--autotune_level", "1")
+
+
+def test_multi_node_static_node_0_hosts_at_master_addr_port_plus_one(monkeypatch):
+    monkeypatch.setenv("DISTUNE_SERVICE_TOKEN", "s3cret")
+    common = ("--nnodes", "2", "--nproc_per_node", "2", "--autotune_level", "1")
+    node0 = plan(
+        *common, "--node_rank", "0", "--master_addr", "127.0.0.1", "--master_port", "29600"
+    )
+    node1 = plan(
+        *common, "--node_rank", "1", "--master_addr", "127.0.0.1", "--master_port", "29600"
+    )
+    assert node0.starts_service and not node1.starts_service
+    assert node0.settings.service_url == node1.settings.service_url == "http://127.0.0.1:29601"
+    assert node0.service_args[:4] == ("--host", "127.0.0.1", "--port", "29601")
+    assert node1.service_args == ()
+    assert node0.settings.service_token == node1.settings.service_token == "s3cret"
+
+
+def test_multi_node_service_addr_and_port(monkeypatch):
+    monkeypatch.setenv("DISTUNE_SERVICE_TOKEN", "s3cret")
+    launch = plan(
+        "--nnodes", "2", "--autotune_level", "1", "--node_rank", "1",
+        "--autotune_service_addr", "http://10.9.8.7:31000",
+    )  # fmt: skip
+    assert not launch.starts_service
+    assert launch.settings.service_url == "http://10.9.8.7:31000"
+    with pytest.raises(OptionError, match="contradicts"):
+        plan(
+            "--nnodes", "2", "--autotune_level", "1",
+            "--autotune_service_addr", "http://10.9.8.7:31000", "--autotune_service_port", "5",
+        )  # fmt: skip
+    with pytest.raises(OptionError, match="works for a single node only"):
+        plan("--nnodes", "2", "--autotune_level", "1", "--autotune_service_port", "0")
+
+
+def test_multi_node_c10d_host_is_the_endpoint_owner(monkeypatch):
+    monkeypatch.setenv("DISTUNE_SERVICE_TOKEN", "s3cret")
+    common = ("--nnodes", "2", "--autotune_level", "1", "--rdzv_backend", "c10d")
+    here = plan(*common, "--rdzv_endpoint", "127.0.0.1:29400")
+    assert here.starts_service
+    assert here.settings.service_url == "http://127.0.0.1:29401"
+    elsewhere = plan(*common, "--rdzv_endpoint", "192.0.2.10:29400")  # TEST-NET: not ours
+    assert not elsewhere.starts_service
+    assert elsewhere.settings.service_url == "http://192.0.2.10:29401"
+
+
+def test_single_node_service_addr_must_be_local():
+    with pytest.raises(OptionError, match="must be one of this machine's"):
+        plan("--autotune_level", "1", "--autotune_service_addr", "http://192.0.2.10:31000")
+
+
+def test_local_addresses():
+    assert is_local_address("127.0.0.1")
+    assert is_local_address("localhost")
+    assert not is_local_address("192.0.2.10")
+    assert not is_local_address("no-such-host.invalid")
