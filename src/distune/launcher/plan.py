@@ -19,7 +19,7 @@ from torch.distributed.run import determine_local_world_size, parse_min_max_nnod
 from distune.launcher.options import AutotuneOptions, OptionError
 from distune.launcher.placement import ServicePlacement, place_service
 from distune.space import DEFAULT_BUCKET_SIZE, bucket_size_2p_for
-from distune.worker_settings import SERVICE_TOKEN, WorkerSettings
+from distune.worker_settings import SERVICE_TOKEN, SYNC_INTERVAL, SettingsError, WorkerSettings
 
 #: Where ``--is_output_autotune_log`` puts the log (with an unpredictable name), as Bagua does.
 DEFAULT_LOG_DIR = "/tmp"
@@ -42,6 +42,16 @@ class LaunchPlan:
     def with_service_url(self, url: str) -> LaunchPlan:
         """The plan once the service is listening (a free port is known only then)."""
         return replace(self, settings=replace(self.settings, service_url=url))
+
+
+def _sync_interval_from_environment() -> float:
+    # No flag for this one: a DISTUNE_SYNC_INTERVAL in the launcher's environment passes on.
+    try:
+        return WorkerSettings.from_env(
+            {SYNC_INTERVAL: os.environ.get(SYNC_INTERVAL, "")}
+        ).sync_interval
+    except SettingsError as error:
+        raise OptionError(str(error)) from None
 
 
 def _hierarchical_possible(args: argparse.Namespace) -> bool:
@@ -85,6 +95,7 @@ def plan_launch(args: argparse.Namespace, options: AutotuneOptions) -> LaunchPla
         bucket_size=options.bucket_size,
         hierarchical_reduce=options.hierarchical_reduce,
         default_bucket_size=options.default_bucket_size or DEFAULT_BUCKET_SIZE,
+        sync_interval=_sync_interval_from_environment(),
     )
     all_fixed = options.bucket_size is not None and (
         options.hierarchical_reduce is not None or not _hierarchical_possible(args)

@@ -147,3 +147,11 @@ def test_local_addresses():
     assert is_local_address("localhost")
     assert not is_local_address("192.0.2.10")
     assert not is_local_address("no-such-host.invalid")
+
+
+def test_sync_interval_passes_from_the_launcher_environment(monkeypatch):
+    monkeypatch.setenv("DISTUNE_SYNC_INTERVAL", "0.25")
+    assert plan("--autotune_level", "1").settings.sync_interval == 0.25
+    monkeypatch.setenv("DISTUNE_SYNC_INTERVAL", "soon")
+    with pytest.raises(OptionError, match="DISTUNE_SYNC_INTERVAL must be a number"):
+        plan("--autotune_level", "1")

@@ -1,0 +1,153 @@
+"""distune-run end to end: the README's main job, signals, failures, restarts, level 0, configs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import signal
+import time
+from urllib.parse import urlsplit
+
+import pytest
+import requests
+
+from .conftest import FAST_TUNING, SCRIPTS, SMALL_MLP, port_is_free
+
+pytestmark = pytest.mark.slow
+
+BAGUA_COLUMNS = ["bucket_size_2p", "is_hierarchical_reduce", "score", "train_iter"]
+TOKEN = "e2e-secret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def poll_status(url: str, until, timeout: float) -> dict:
+    """GET /status until ``until(status)`` holds."""
+    deadline = time.monotonic() + timeout
+    status: dict = {}
+    while time.monotonic() < deadline:
+        try:
+            status = requests.get(url + "/api/v1/status", headers=AUTH, timeout=5).json()
+            if until(status):
+                return status
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"status never satisfied the condition; last: {status}")
+
+
+def test_main_job_tunes_writes_log_and_leaves_nothing_behind(launch, tmp_path):
+    log, best = tmp_path / "tune.log", tmp_path / "best.json"
+    run = launch(
+        [
+            "--nproc_per_node", "2", "--autotune_level", "1", *FAST_TUNING,
+            "--autotune_log_file", str(log), "--autotune_best_file", str(best),
+            *SMALL_MLP, "--seconds", "25",
+        ],
+        env={"DISTUNE_SERVICE_TOKEN": TOKEN},
+    )  # fmt: skip
+    url = run.service_url()
+    assert urlsplit(url).hostname == "127.0.0.1"  # single node: loopback only
+    status = poll_status(url, lambda s: "mlp" in s.get("models", {}), timeout=60)
+    assert status["models"]["mlp"]["max_samples"] == 4
+    assert run.wait(timeout=150) == 0, run.output
+
+    with log.open() as handle:
+        rows = list(csv.reader(handle))
+    assert rows[0][:4] == BAGUA_COLUMNS
+    assert len(rows) - 1 >= 3, rows
+    assert "model mlp: completed" in run.output
+    assert "chosen group:  bucket 2^" in run.output
+    assert f"autotune log: {log}" in run.output
+    chosen = json.loads(best.read_text())
+    assert {"bucket_size", "hierarchical_reduce", "autotune_result"} <= set(chosen)
+    assert run.leftovers() == []
+    assert port_is_free(urlsplit(url).port)
+
+
+def test_sigterm_mid_run_stops_workers_and_service(launch):
+    run = launch(["--nproc_per_node", "2", "--autotune_level", "1", *SMALL_MLP, "--seconds", "120"])
+    url = run.service_url()
+    run.wait_for(r"^step \d+", timeout=60)  # the workers are training
+    run.process.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=60) == 128 + signal.SIGTERM
+    assert run.leftovers() == []
+    assert port_is_free(urlsplit(url).port)
+
+
+def test_failing_worker_fails_the_launch_and_stops_the_service(launch):
+    run = launch(
+        [
+            "--nproc_per_node",
+            "2",
+            "--autotune_level",
+            "1",
+            str(SCRIPTS / "flaky_worker.py"),
+            "--fail-attempts",
+            "1",
+        ]
+    )
+    url = run.service_url()
+    assert run.wait(timeout=90) == 1
+    assert "injected failure on attempt 0" in run.output
+    assert run.leftovers() == []
+    assert port_is_free(urlsplit(url).port)
+
+
+def test_service_outlives_a_worker_restart(launch):
+    run = launch(
+        [
+            "--nproc_per_node", "2", "--autotune_level", "1", "--max_restarts", "1",
+            str(SCRIPTS / "flaky_worker.py"), "--fail-attempts", "1", "--seconds", "4",
+        ]
+    )  # fmt: skip
+    assert run.wait(timeout=120) == 0, run.output
+    assert "injected failure on attempt 0" in run.output
+    assert "rank 0 attempt 1 finished" in run.output
+    assert run.output.count("tuning service at") == 1  # one service for both attempts
+    assert "model flaky:" in run.output  # the summary came from the same service
+    assert run.leftovers() == []
+
+
+def test_level_0_starts_no_service(launch):
+    run = launch(["--nproc_per_node", "2", *SMALL_MLP, "--steps", "200"])
+    run.wait_for(r"^(step|done)", timeout=60)
+    assert all(b"distune.tuning_service" not in _cmdline(pid) for pid in _family(run))
+    assert run.wait(timeout=60) == 0, run.output
+    assert "tuning service" not in run.output
+    # The default 2^25 is clamped to the model's 1.004 MiB of gradients: one bucket of 2^21.
+    assert "bucket 2^21 B (2 MiB), flat" in run.output
+
+
+def test_config_fixing_every_knob_runs_without_service(launch, tmp_path):
+    config = tmp_path / "fixed.yaml"
+    config.write_text("autotune_level: 1\nbucket_size: 131072\n")
+    run = launch(
+        ["--nproc_per_node", "2", "--autotune_config", str(config), *SMALL_MLP, "--seconds", "4"]
+    )
+    assert run.wait(timeout=60) == 0, run.output
+    groups = [line.split("(", 1)[1] for line in run.output.splitlines() if line.startswith("step ")]
+    assert groups and all(group == "bucket 2^17 B (128 KiB), flat)" for group in groups)
+    assert "tuning service" not in run.output
+
+
+def test_invalid_flag_exits_2_before_anything_starts(launch):
+    run = launch(["--autotune_level", "1", "--autotune_max_samples", "0", *SMALL_MLP])
+    assert run.wait(timeout=30) == 2
+    assert run.output.strip().splitlines() == [
+        "distune-run: error: argument --autotune_max_samples/--autotune-max-samples: "
+        "must be an integer of at least 1, got '0'"
+    ]
+
+
+def _family(run) -> list[int]:
+    from .conftest import processes_with
+
+    return processes_with(run.marker)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read()
+    except OSError:
+        return b""
