@@ -5,8 +5,9 @@ node only, bound to the address the other nodes reach it by, on a port every nod
 without talking to the others:
 
 * static rendezvous: node_rank 0 hosts it, at ``--master_addr``;
-* other rendezvous backends (c10d, ...): the node that owns the rendezvous endpoint's address
-  hosts it, or the node that owns ``--autotune_service_addr``'s address when that is given;
+* other rendezvous backends (c10d, ...): the node that torch's ``--rdzv_conf is_host=...`` names
+  as the store's host when it is given (needed where several nodes share one machine); else the
+  node that owns the rendezvous endpoint's address, or ``--autotune_service_addr``'s when given;
 * the port is ``--autotune_service_port``, else the URL's, else the rendezvous port + 1.
 """
 
@@ -17,6 +18,8 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 from torch.distributed.run import parse_min_max_nnodes
 
 from distune.launcher.options import AutotuneOptions, OptionError
@@ -70,6 +73,17 @@ def _split_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
     return host.strip("[]"), int(port) if port.isdigit() else default_port
 
 
+def _configured_host(args: argparse.Namespace) -> bool | None:
+    """torch's own ``is_host`` rendezvous option, read as torch reads it; None when unset."""
+    try:
+        config = _parse_rendezvous_config(args.rdzv_conf)
+        return RendezvousParameters(
+            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id, 1, 1, **config
+        ).get_as_bool("is_host")
+    except ValueError as error:
+        raise OptionError(f"--rdzv_conf {args.rdzv_conf!r}: {error}") from None
+
+
 def place_service(args: argparse.Namespace, options: AutotuneOptions) -> ServicePlacement:
     """Decide this node's role from torchrun's rendezvous flags and the autotune options."""
     _, max_nodes = parse_min_max_nnodes(args.nnodes)
@@ -112,5 +126,8 @@ def place_service(args: argparse.Namespace, options: AutotuneOptions) -> Service
     if args.rdzv_backend == "static":
         hosted_here = int(args.node_rank) == 0
     else:
-        hosted_here = is_local_address(host)
+        # The service sits with the c10d store: the node told to host it, or else the one owning
+        # the address (both nodes own it when they share a machine, so is_host must decide there).
+        configured = _configured_host(args)
+        hosted_here = is_local_address(host) if configured is None else configured
     return ServicePlacement(hosted_here=hosted_here, host=host, port=port, multi_node=True)

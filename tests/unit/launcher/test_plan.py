@@ -137,6 +137,20 @@ def test_multi_node_c10d_host_is_the_endpoint_owner(monkeypatch):
     assert elsewhere.settings.service_url == "http://192.0.2.10:29401"
 
 
+def test_multi_node_c10d_is_host_decides_where_nodes_share_a_machine(monkeypatch):
+    monkeypatch.setenv("DISTUNE_SERVICE_TOKEN", "s3cret")
+    common = (
+        "--nnodes", "2", "--autotune_level", "1", "--rdzv_backend", "c10d",
+        "--rdzv_endpoint", "127.0.0.1:29400",
+    )  # fmt: skip
+    host = plan(*common, "--rdzv_conf", "is_host=1")
+    guest = plan(*common, "--rdzv_conf", "join_timeout=60,is_host=false")
+    assert host.starts_service and not guest.starts_service
+    assert host.settings.service_url == guest.settings.service_url == "http://127.0.0.1:29401"
+    with pytest.raises(OptionError, match="--rdzv_conf 'is_host=maybe'"):
+        plan(*common, "--rdzv_conf", "is_host=maybe")
+
+
 def test_single_node_service_addr_must_be_local():
     with pytest.raises(OptionError, match="must be one of this machine's"):
         plan("--autotune_level", "1", "--autotune_service_addr", "http://192.0.2.10:31000")
