@@ -1,0 +1,272 @@
+"""The leader's conversation with the tuning service, in a background thread.
+
+Only rank 0 talks HTTP, and only from this thread: the training thread hands it finished windows
+(:meth:`LeaderClient.report`, which never blocks) and reads the latest answer
+(:meth:`LeaderClient.latest`, a lock held for a copy). So a slow, dead or confused service never
+slows a training step; training keeps the group it has.
+
+The thread registers the model (again whenever the service no longer knows it, e.g. after a
+restart), then posts each window. Every answer carries the service's current group, which becomes
+the latest answer. A 409 answer to a report means the report's group is no longer current: normal
+after a switch, and its body carries the current group. Anything else that is not a valid answer
+(no connection, a timeout, a 5xx, a 401, a body that is not the expected JSON) is a failure: the
+window is dropped, one warning is logged for the outage (not one per window), and the thread
+retries with exponential back-off until the service answers again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import requests
+
+from distune.space import (
+    FixedKnobs,
+    HyperparameterError,
+    Hyperparameters,
+    ModelFacts,
+    SearchSpace,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Model names the REST API accepts (the service checks the same rule).
+MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
+#: Finished windows waiting to be posted; older ones are dropped when the service lags.
+QUEUE_LIMIT = 16
+
+
+def check_model_name(name: object) -> str:
+    """Return ``name`` if the service accepts it as a model name, else raise ValueError."""
+    if not isinstance(name, str) or not MODEL_NAME_PATTERN.fullmatch(name):
+        raise ValueError(f"model name must be 1-64 characters of [A-Za-z0-9._-], got {name!r}")
+    return name
+
+
+@dataclass(frozen=True)
+class ServiceAnswer:
+    """The service's current group for the model, and whether tuning is over."""
+
+    group_id: int
+    hyperparameters: Hyperparameters
+    state: str
+    completed: bool
+
+
+@dataclass(frozen=True)
+class WindowReport:
+    """One window: ``iterations`` iterations under group ``group_id``, ending at iteration
+    ``train_iter``, that took the slowest rank ``seconds``."""
+
+    group_id: int
+    train_iter: int
+    iterations: int
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        """The body of ``POST /api/v1/models/<name>/report``."""
+        return {
+            "group_id": self.group_id,
+            "train_iter": self.train_iter,
+            "iterations": self.iterations,
+            "seconds": self.seconds,
+        }
+
+
+class ServiceError(Exception):
+    """The service did not give a usable answer; the message says how (never the token)."""
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Timeouts and back-off of the leader's HTTP conversation."""
+
+    connect_timeout: float = 2.0
+    read_timeout: float = 5.0
+    initial_backoff: float = 0.5
+    max_backoff: float = 30.0
+
+
+class LeaderClient:
+    """Rank 0's link to the tuning service for one model.
+
+    ``space`` is the model's search space, computed exactly as the service computes it: an
+    answer outside it is treated as garbage. Call :meth:`start` once; :meth:`close` ends the
+    thread (it is a daemon, so a hung request never holds the process at exit).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None,
+        name: str,
+        facts: ModelFacts,
+        fixed: FixedKnobs,
+        space: SearchSpace,
+        config: ClientConfig | None = None,
+    ) -> None:
+        self._base = f"{url.rstrip('/')}/api/v1/models/{quote(check_model_name(name), safe='')}"
+        self._url = url
+        self._name = name
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._registration: dict[str, Any] = {
+            "world_size": facts.world_size,
+            "nnodes": facts.nnodes,
+            "local_world_size": facts.local_world_size,
+            "gradient_bytes": facts.gradient_bytes,
+        }
+        if fixed.to_dict():
+            self._registration["fixed"] = fixed.to_dict()
+        self._space = space
+        self._config = ClientConfig() if config is None else config
+        self._reports: queue.Queue[WindowReport] = queue.Queue(QUEUE_LIMIT)
+        self._lock = threading.Lock()
+        self._latest: ServiceAnswer | None = None
+        self._stop = threading.Event()
+        self._healthy = True
+        self._thread = threading.Thread(
+            target=self._run, name=f"distune-leader-{name}", daemon=True
+        )
+
+    # -- the training thread's side ---------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the background thread (registration happens there)."""
+        self._thread.start()
+
+    def latest(self) -> ServiceAnswer | None:
+        """The service's latest answer, or ``None`` before the first one."""
+        with self._lock:
+            return self._latest
+
+    def report(self, report: WindowReport) -> None:
+        """Queue a finished window for posting; never blocks (drops the oldest if full)."""
+        while True:
+            try:
+                self._reports.put_nowait(report)
+                return
+            except queue.Full:
+                with contextlib.suppress(queue.Empty):
+                    self._reports.get_nowait()
+
+    def close(self) -> None:
+        """Ask the thread to stop; windows not yet posted are dropped."""
+        self._stop.set()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the background thread is running."""
+        return self._thread.is_alive()
+
+    # -- the background thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        session = requests.Session()
+        registered = False
+        delay = self._config.initial_backoff
+        try:
+            while not self._stop.is_set():
+                try:
+                    if not registered:
+                        self._accept(self._post(session, "register", self._registration))
+                        registered = True
+                    else:
+                        try:
+                            report = self._reports.get(timeout=0.2)
+                        except queue.Empty:
+                            continue
+                        registered = self._post_report(session, report)
+                except ServiceError as error:
+                    self._failed(str(error))
+                    self._stop.wait(delay)
+                    delay = min(2 * delay, self._config.max_backoff)
+                    continue
+                delay = self._config.initial_backoff
+                self._recovered()
+        finally:
+            session.close()
+
+    def _post_report(self, session: requests.Session, report: WindowReport) -> bool:
+        """Post one window; return whether the model is still registered."""
+        try:
+            self._accept(self._post(session, "report", report.to_json()))
+        except _Unknown:
+            return False  # the service lost the model (restarted): register again
+        return True
+
+    def _post(self, session: requests.Session, action: str, body: dict[str, Any]) -> Any:
+        try:
+            response = session.post(
+                f"{self._base}/{action}",
+                json=body,
+                headers=self._headers,
+                timeout=(self._config.connect_timeout, self._config.read_timeout),
+            )
+        except requests.Timeout:
+            raise ServiceError("did not answer in time") from None
+        except requests.RequestException as error:
+            raise ServiceError(f"cannot be reached ({type(error).__name__})") from None
+        if response.status_code == 401:
+            raise ServiceError("refused the token (401): check DISTUNE_SERVICE_TOKEN")
+        if response.status_code == 404 and action == "report":
+            raise _Unknown()
+        # 409: the report's group is no longer current; the body carries the current one.
+        if response.status_code not in (200, 409):
+            raise ServiceError(f"answered {action} with HTTP {response.status_code}")
+        try:
+            return response.json()
+        except ValueError:
+            raise ServiceError(f"answered {action} with a body that is not JSON") from None
+
+    def _accept(self, body: Any) -> None:
+        answer = self._parse(body)
+        with self._lock:
+            self._latest = answer
+
+    def _parse(self, body: Any) -> ServiceAnswer:
+        try:
+            group = body["group"]
+            group_id = group["id"]
+            if isinstance(group_id, bool) or not isinstance(group_id, int) or group_id < 0:
+                raise ValueError(f"group id {group_id!r}")
+            hp = Hyperparameters.from_dict(group["hyperparameters"])
+            state = body["state"]
+            if not isinstance(state, str):
+                raise ValueError(f"state {state!r}")
+            completed = body.get("completed", state == "completed")
+            if not isinstance(completed, bool):
+                raise ValueError(f"completed {completed!r}")
+        except (KeyError, TypeError, ValueError, HyperparameterError) as error:
+            raise ServiceError(f"answered garbage ({error})") from None
+        if hp not in self._space:
+            raise ServiceError(f"answered a group outside the model's search space ({hp})")
+        return ServiceAnswer(group_id, hp, state, completed)
+
+    def _failed(self, reason: str) -> None:
+        if self._healthy:
+            self._healthy = False
+            logger.warning(
+                "tuning service at %s %s; model %r keeps training with its current group; "
+                "retrying with back-off (no further warning until it answers)",
+                self._url,
+                reason,
+                self._name,
+            )
+        else:
+            logger.debug("tuning service still failing: %s", reason)
+
+    def _recovered(self) -> None:
+        if not self._healthy:
+            self._healthy = True
+            logger.warning("tuning service at %s answers again", self._url)
+
+
+class _Unknown(Exception):
+    """The service does not know the model (404 to a report)."""

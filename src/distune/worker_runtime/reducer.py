@@ -1,0 +1,349 @@
+"""Bucketed gradient averaging that overlaps backward: flat or hierarchical allreduce.
+
+How one synchronised backward goes:
+
+* Each parameter's ``post_accumulate_grad`` hook fires once its gradient is complete for this
+  backward. Its ``.grad`` is (or is copied into and becomes) a view of its bucket. When every
+  parameter of a bucket is ready, the bucket is launched: divided by the world size (before the
+  sum, as torch DDP does, so half precision does not overflow) and allreduced asynchronously
+  while backward goes on. Buckets are launched in one fixed order on every rank (bucket ``k+1``
+  waits for bucket ``k``), so the ranks' collectives always pair up.
+* The first hook queues a callback that autograd runs when backward ends. It launches whatever
+  is left (buckets of parameters that got no gradient in this backward: see below), then waits
+  for every bucket. So **backward returns with averaged gradients**, as with torch DDP: code
+  between ``backward()`` and ``optimizer.step()`` (gradient clipping, scaling, logging) sees
+  the final gradients, and the allreduces still overlap the backward computation. On CUDA the
+  wait is a stream wait (the stream backward ran on waits for the communication), never a host
+  synchronisation; on CPU (gloo) the host must wait for the values anyway.
+
+Parameters that get no gradient in a backward are handled like torch DDP's
+``find_unused_parameters=True``, at no cost when every parameter is used: at the end of backward
+a parameter still not ready contributes what its ``.grad`` holds (zeros if it is ``None``).
+Each bucket's allreduce also sums a flag per parameter saying whether the rank had a gradient
+for it; a parameter whose ``.grad`` was ``None`` gets the averaged gradient if another rank had
+one, and keeps ``None`` if no rank did (so optimizers skip it, as with torch DDP).
+
+After the first synchronised backward, rank 0's order of gradient readiness is broadcast and the
+buckets are rebuilt in that order (as torch DDP does), so the first bucket to fill is the first
+launched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distune.space import Hyperparameters
+from distune.worker_runtime.buckets import Bucket, Slot, assign_buckets
+from distune.worker_runtime.topology import HierarchicalGroups
+
+
+class ReductionError(RuntimeError):
+    """Gradients cannot be averaged as asked; the message names the parameters concerned."""
+
+
+class _FlatAllreduce:
+    """One allreduce per bucket over the whole process group."""
+
+    def __init__(self, process_group: dist.ProcessGroup) -> None:
+        self._group = process_group
+
+    def start(self, bucket: Bucket) -> Any:
+        # On CUDA, NCCL's stream waits for the current stream (where the gradient was made).
+        return dist.all_reduce(bucket.flat, group=self._group, async_op=True)
+
+    def finish(self, handles: list[Any]) -> None:
+        # gloo: blocks the host until done. NCCL: makes the current stream wait.
+        for work in handles:
+            work.wait()
+
+
+class _HierarchicalAllreduce:
+    """Reduce to the node leader, allreduce among leaders, broadcast from the leader.
+
+    The three steps of a bucket are chained, and each process group must see its collectives in
+    the same order on every rank. On CUDA the chain is enqueued on a side stream whose waits are
+    stream waits, so enqueueing never blocks. On CPU (gloo) each step blocks the host until done,
+    so the chains run in one worker thread, bucket after bucket in launch order.
+    """
+
+    def __init__(self, groups: HierarchicalGroups, device: torch.device) -> None:
+        self._groups = groups
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._executor = (
+            ThreadPoolExecutor(1, thread_name_prefix="distune-hierarchical")
+            if self._stream is None
+            else None
+        )
+
+    def _chain(self, flat: torch.Tensor) -> None:
+        groups = self._groups
+        dist.reduce(flat, dst=groups.leader, group=groups.intra)
+        if groups.leaders is not None:
+            dist.all_reduce(flat, group=groups.leaders)
+        dist.broadcast(flat, src=groups.leader, group=groups.intra)
+
+    def start(self, bucket: Bucket) -> Future[None] | None:
+        if self._executor is not None:
+            return self._executor.submit(self._chain, bucket.flat)
+        assert self._stream is not None
+        self._stream.wait_stream(torch.cuda.current_stream(bucket.flat.device))
+        with torch.cuda.stream(self._stream):
+            self._chain(bucket.flat)
+        return None
+
+    def finish(self, handles: list[Any]) -> None:
+        if self._stream is not None:
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+            return
+        for future in handles:
+            future.result()
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+
+
+def _on_grad_ready(reducer_ref: weakref.ref[Reducer], index: int, param: torch.Tensor) -> None:
+    # A weak reference, so a dropped wrapper leaves no live hook behind (see Reducer.__init__).
+    reducer = reducer_ref()
+    if reducer is not None:
+        reducer._grad_ready(index)
+
+
+def _remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+class Reducer:
+    """Averages the gradients of ``params`` over ``process_group`` during each backward.
+
+    ``names[i]`` names ``params[i]`` in error messages. ``groups`` are the hierarchical process
+    groups, or ``None`` where the topology has no use for them (hierarchical then runs flat,
+    which it is equivalent to). ``device`` is where small collectives run (CUDA for NCCL).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        names: Sequence[str],
+        process_group: dist.ProcessGroup,
+        hyperparameters: Hyperparameters,
+        groups: HierarchicalGroups | None,
+        device: torch.device,
+    ) -> None:
+        self._params = list(params)
+        self._names = list(names)
+        self._group = process_group
+        self._world_size = dist.get_world_size(process_group)
+        self._groups = groups
+        self._device = device
+        self._sizes = [p.numel() * p.element_size() for p in self._params]
+        self._keys = [(p.dtype, p.device) for p in self._params]
+        # Launch order guess until the first backward tells: reverse registration order.
+        self._order = list(reversed(range(len(self._params))))
+        self._order_known = False
+        self._lock = threading.Lock()
+        #: Whether the next backward averages gradients (False under ``no_sync``).
+        self.sync_next_backward = True
+        #: Synchronised backward passes completed: the iteration count sync points refer to.
+        self.iterations = 0
+        #: Called with :attr:`iterations` after each synchronised backward, outside the lock.
+        self.on_iteration: Callable[[int], None] | None = None
+        self._flat = _FlatAllreduce(process_group)
+        self._hierarchical = (
+            _HierarchicalAllreduce(groups, self._params[0].device) if groups is not None else None
+        )
+        self._hyperparameters = hyperparameters
+        self._build(hyperparameters)
+        self._reset_backward_state()
+        handles = [
+            p.register_post_accumulate_grad_hook(partial(_on_grad_ready, weakref.ref(self), i))
+            for i, p in enumerate(self._params)
+        ]
+        weakref.finalize(self, _remove_hooks, handles)
+
+    # -- configuration ---------------------------------------------------------------------
+
+    @property
+    def hyperparameters(self) -> Hyperparameters:
+        """The group the buckets are built for."""
+        return self._hyperparameters
+
+    @property
+    def bucket_sizes(self) -> list[int]:
+        """Gradient bytes of each bucket, in launch order."""
+        return [bucket.nbytes for bucket in self._buckets]
+
+    def rebuild(self, hyperparameters: Hyperparameters) -> None:
+        """Rebuild the buckets (and pick the allreduce shape) for ``hyperparameters``.
+
+        Between iterations only; the gradients held so far move into the new buckets, so a
+        switch in the middle of ``no_sync`` accumulation loses nothing.
+        """
+        with self._lock:
+            self._check_idle("change hyperparameters")
+            self._hyperparameters = hyperparameters
+            self._build(hyperparameters)
+            self._reset_backward_state()
+
+    def _build(self, hyperparameters: Hyperparameters) -> None:
+        layout = assign_buckets(self._sizes, self._keys, self._order, hyperparameters.bucket_size)
+        self._buckets = [Bucket([self._params[i] for i in members]) for members in layout]
+        self._members = layout
+        self._slots = [Slot(0, 0)] * len(self._params)
+        self._views: list[torch.Tensor] = [torch.empty(0)] * len(self._params)
+        with torch.no_grad():
+            for b, members in enumerate(layout):
+                for k, i in enumerate(members):
+                    self._slots[i] = Slot(b, k)
+                    view = self._views[i] = self._buckets[b].views[k]
+                    param = self._params[i]
+                    if param.grad is not None:
+                        view.copy_(param.grad)
+                        param.grad = view
+        hierarchical = hyperparameters.is_hierarchical_reduce and self._hierarchical is not None
+        self._strategy = self._hierarchical if hierarchical else self._flat
+
+    def close(self) -> None:
+        """Release the hierarchical worker thread, if any."""
+        if self._hierarchical is not None:
+            self._hierarchical.close()
+
+    # -- one backward ----------------------------------------------------------------------
+
+    def _reset_backward_state(self) -> None:
+        self._active = False
+        self._ready = [False] * len(self._params)
+        self._pending = [len(members) for members in self._members]
+        self._next_bucket = 0
+        self._handles: list[Any] = []
+        self._absent: dict[int, list[int]] = {}  # bucket -> slots whose .grad was None
+        self._ready_order: list[int] = []
+        self._stream: Any = None
+
+    def _check_idle(self, action: str) -> None:
+        if self._active:
+            raise ReductionError(
+                f"cannot {action}: the previous backward's gradient averaging did not finish "
+                "(did backward raise?). Every rank must finish each backward."
+            )
+
+    def prepare_for_forward(self, sync: bool) -> None:
+        """Note whether the coming backward averages gradients, as torch DDP decides it at
+        forward time; raise if the previous backward was left half done."""
+        with self._lock:
+            self._check_idle("start a forward")
+            self.sync_next_backward = sync
+
+    def _grad_ready(self, index: int) -> None:
+        with self._lock:
+            if not self.sync_next_backward:
+                return  # no_sync: gradients accumulate where they are
+            if not self._active:
+                self._begin_backward()
+            if self._ready[index]:
+                raise ReductionError(
+                    f"parameter {self._names[index]!r} received its gradient twice in one "
+                    "backward (reentrant activation checkpointing is not supported)"
+                )
+            param, view = self._params[index], self._views[index]
+            grad = param.grad
+            if grad.is_sparse:
+                raise ReductionError(
+                    f"parameter {self._names[index]!r} has a sparse gradient; distune averages "
+                    "dense gradients only (use a dense embedding)"
+                )
+            if grad is not view:
+                if not _same_storage(grad, view):
+                    view.copy_(grad)
+                param.grad = view
+            self._mark_ready(index)
+
+    def _begin_backward(self) -> None:
+        self._active = True
+        if self._params[0].device.type == "cuda":
+            # As torch DDP does: remember the stream backward runs on, and make that stream (not
+            # the host) wait for the buckets in the end-of-backward callback.
+            self._stream = torch.cuda.current_stream(self._params[0].device)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _mark_ready(self, index: int) -> None:
+        self._ready[index] = True
+        self._ready_order.append(index)
+        slot = self._slots[index]
+        self._pending[slot.bucket] -= 1
+        while self._next_bucket < len(self._buckets) and self._pending[self._next_bucket] == 0:
+            self._launch(self._next_bucket)
+            self._next_bucket += 1
+
+    def _launch(self, b: int) -> None:
+        bucket = self._buckets[b]
+        bucket.flags.fill_(1)
+        for k in self._absent.get(b, ()):
+            bucket.flags[k] = 0
+        bucket.grads.div_(self._world_size)
+        self._handles.append(self._strategy.start(bucket))
+
+    def _end_backward(self) -> None:
+        stream = self._stream
+        guard = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with self._lock, guard:
+            try:
+                self._finish_reduction()
+            finally:
+                ready_order = self._ready_order
+                self._reset_backward_state()
+            self.iterations += 1
+        if not self._order_known:
+            self._learn_order(ready_order)
+        if self.on_iteration is not None:
+            self.on_iteration(self.iterations)
+
+    def _finish_reduction(self) -> None:
+        # Parameters without a gradient in this backward: contribute .grad as it is (zeros if
+        # None), in an order every rank shares, so the last buckets launch everywhere.
+        for index in range(len(self._params)):
+            if self._ready[index]:
+                continue
+            param, view = self._params[index], self._views[index]
+            grad = param.grad
+            if grad is None:
+                view.zero_()
+                slot = self._slots[index]
+                self._absent.setdefault(slot.bucket, []).append(slot.index)
+            elif grad is not view:
+                if not _same_storage(grad, view):
+                    view.copy_(grad)
+                param.grad = view
+            self._mark_ready(index)
+        self._strategy.finish(self._handles)
+        for b, slots in self._absent.items():
+            bucket = self._buckets[b]
+            for k in slots:
+                # Reads back one flag (a host sync on CUDA), only for parameters absent here.
+                if bucket.flags[k].item() > 0:
+                    self._params[self._members[b][k]].grad = bucket.views[k]
+
+    def _learn_order(self, ready_order: list[int]) -> None:
+        """Adopt rank 0's order of gradient readiness (a collective, once)."""
+        order = torch.tensor(ready_order, dtype=torch.int64, device=self._device)
+        dist.broadcast(order, src=dist.get_global_rank(self._group, 0), group=self._group)
+        self._order_known = True
+        learned = order.tolist()
+        if learned != self._order:
+            self._order = learned
+            self.rebuild(self._hyperparameters)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype

@@ -1,0 +1,122 @@
+"""Multi-process gloo jobs on this machine for the worker runtime's integration tests.
+
+A test file names its scenarios (functions of the output directory, run on every rank with the
+process group initialized) and runs itself as the worker script: ``run_job`` starts one process
+per rank with torchrun's environment (``RANK``, ``LOCAL_RANK``, ``GROUP_RANK``, ...), so several
+simulated nodes are just processes whose ``GROUP_RANK`` differ. Each rank's scenario returns a
+JSON-able result; a failing rank fails the test with its stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+Scenario = Callable[[Path], Any]
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now, on loopback."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_job(
+    script: str,
+    scenario: str,
+    out_dir: Path,
+    *,
+    nodes: int = 1,
+    per_node: int = 2,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 90.0,
+) -> list[Any]:
+    """Run ``scenario`` of ``script`` on ``nodes`` x ``per_node`` ranks; return each rank's
+    result, by rank. Fails (with the ranks' stderr) if a rank fails or the job outlives
+    ``timeout`` seconds; no process is left behind either way."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    world_size = nodes * per_node
+    base = {k: v for k, v in os.environ.items() if not k.startswith("DISTUNE_")}
+    base.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(per_node),
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    base.update(env or {})
+    procs = []
+    for rank in range(world_size):
+        rank_env = dict(
+            base, RANK=str(rank), GROUP_RANK=str(rank // per_node), LOCAL_RANK=str(rank % per_node)
+        )
+        stderr = open(out_dir / f"rank{rank}.err", "wb")  # noqa: SIM115 (closed below)
+        procs.append(
+            (
+                subprocess.Popen(
+                    [sys.executable, script, scenario, str(out_dir)],
+                    env=rank_env,
+                    stdout=stderr,
+                    stderr=subprocess.STDOUT,
+                ),
+                stderr,
+            )
+        )
+    deadline = time.monotonic() + timeout
+    failed_at = None
+    try:
+        while any(p.poll() is None for p, _ in procs):
+            now = time.monotonic()
+            if any(p.returncode not in (None, 0) for p, _ in procs):
+                # A failed rank leaves its peers waiting in a collective: give them a moment.
+                failed_at = failed_at or now
+                if now - failed_at > 3:
+                    break
+            if now > deadline:
+                break
+            time.sleep(0.05)
+    finally:
+        for proc, stderr in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            stderr.close()
+    problems = [
+        f"rank {rank} exited {proc.returncode}:\n{_tail(out_dir / f'rank{rank}.err')}"
+        for rank, (proc, _) in enumerate(procs)
+        if proc.returncode != 0
+    ]
+    if problems:
+        timed_out = time.monotonic() > deadline
+        header = f"job {scenario!r} timed out after {timeout} s\n" if timed_out else ""
+        raise AssertionError(header + "\n".join(problems))
+    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def _tail(path: Path, size: int = 6000) -> str:
+    return path.read_bytes()[-size:].decode(errors="replace")
+
+
+def worker_main(scenarios: Mapping[str, Scenario]) -> None:
+    """Entry point of a worker process: ``script SCENARIO OUT_DIR``."""
+    import torch
+    import torch.distributed as dist
+
+    name, out_dir = sys.argv[1], Path(sys.argv[2])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=60))
+    try:
+        result = scenarios[name](out_dir)
+    finally:
+        dist.destroy_process_group()
+    (out_dir / f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))
