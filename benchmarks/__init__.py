@@ -1,0 +1,1 @@
+"""Reproducible measurements of distune; their results go in BENCHMARKS.md."""

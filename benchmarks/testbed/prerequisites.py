@@ -1,0 +1,32 @@
+"""What this machine must offer before a testbed can come up: root and iproute2."""
+
+from __future__ import annotations
+
+import os
+
+from benchmarks.testbed.errors import TestbedUnavailable
+from benchmarks.testbed.iproute import IpRoute, find_tool
+
+
+def missing_prerequisites() -> list[str]:
+    """One line per missing prerequisite; empty when a testbed can come up here."""
+    missing = []
+    if os.geteuid() != 0:
+        missing.append(
+            "the testbed needs root (network namespaces, veth links and tc qdiscs need "
+            "CAP_NET_ADMIN): run it with sudo"
+        )
+    missing += [
+        f"`{name}` (iproute2) not found: install the iproute2 package"
+        for name in ("ip", "tc")
+        if find_tool(name) is None
+    ]
+    return missing
+
+
+def require_prerequisites() -> IpRoute:
+    """The iproute2 tools; raises :class:`TestbedUnavailable` listing everything missing."""
+    missing = missing_prerequisites()
+    if missing:
+        raise TestbedUnavailable("cannot build a testbed on this machine: " + "; ".join(missing))
+    return IpRoute.locate()

@@ -1,0 +1,206 @@
+"""The shaped testbed: it comes up, carries a gloo job across namespaces, and always tears down."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+# `benchmarks` is a top-level folder of the repository, not part of the installed package.
+sys.path.insert(0, str(REPO))
+
+from benchmarks.testbed import (  # noqa: E402
+    Testbed,
+    TestbedError,
+    missing_prerequisites,
+    remove_stale_testbeds,
+    require_prerequisites,
+    run_on_nodes,
+)
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(bool(missing_prerequisites()), reason="; ".join(missing_prerequisites())),
+]
+
+GLOO_JOB = textwrap.dedent(
+    """
+    import os, sys, time
+    from datetime import timedelta
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    print(f"pid {os.getpid()}", flush=True)
+    if sys.argv[1] == "fail":
+        if rank == 1:
+            sys.exit(3)
+        time.sleep(120)  # a peer stuck waiting for the failed node
+    tensor = torch.full((1 << 18,), float(rank + 1))  # 1 MiB
+    for _ in range(5):
+        result = tensor.clone()
+        dist.all_reduce(result)
+        assert torch.all(result == 3.0), result
+    print("allreduce ok", flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+def namespaces_of(prefix: str) -> list[str]:
+    return [name for name in require_prerequisites().namespaces() if name.startswith(prefix)]
+
+
+def pids_in(output: str) -> list[int]:
+    return [int(line.split()[1]) for line in output.splitlines() if line.startswith("pid ")]
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_for(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_two_shaped_nodes_run_a_gloo_job_over_their_link_and_vanish(tmp_path):
+    script = tmp_path / "gloo_job.py"
+    script.write_text(GLOO_JOB)
+    with Testbed(nodes=2, rate="1gbit") as bed:
+        name = bed.name
+        node0, node1 = bed.nodes
+        assert (node0.address, node1.address) == ("10.77.0.1", "10.77.0.2")
+        assert sorted(bed.namespaces()) == [f"{name}-node0", f"{name}-node1"]
+        # Both directions are shaped: each end of the pair limits what it transmits.
+        assert {(d.namespace, d.device) for d in bed.shaped_devices} == {
+            (node0.namespace, "veth0"),
+            (node1.namespace, "veth1"),
+        }
+        for device in bed.shaped_devices:
+            (qdisc,) = node0.iproute.qdiscs(device.namespace, device.device)
+            assert qdisc["kind"] == "tbf" and qdisc["root"]
+            assert qdisc["options"]["rate"] == 125_000_000  # bytes/s
+        for node in bed.nodes:
+            assert node.iproute.link(node.namespace, node.interface)["mtu"] == 9000
+            assert "UP" in node.iproute.link(node.namespace, "lo")["flags"]
+        before = [node.link_counters() for node in bed.nodes]
+
+        results = run_on_nodes(
+            bed.nodes,
+            lambda node: [sys.executable, str(script), "ok"],
+            output_dir=tmp_path / "out",
+            timeout=45,
+        )
+        outputs = [result.read_output() for result in results]
+        assert [result.ok for result in results] == [True, True], outputs
+        assert all("allreduce ok" in output for output in outputs)
+        assert (tmp_path / "out" / "results.json").exists()
+        # The allreduces went through the veth link, in both directions.
+        after = [node.link_counters() for node in bed.nodes]
+        for old, new in zip(before, after, strict=True):
+            assert new.tx_bytes - old.tx_bytes > 2 * (1 << 20)
+            assert new.rx_bytes - old.rx_bytes > 2 * (1 << 20)
+
+    assert namespaces_of(name) == []
+    with pytest.raises(TestbedError, match="not up"):
+        bed.nodes  # noqa: B018
+    assert not any(alive(pid) for output in outputs for pid in pids_in(output))
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_node_stops_its_stuck_peer_and_an_error_still_tears_down(tmp_path):
+    script = tmp_path / "gloo_job.py"
+    script.write_text(GLOO_JOB)
+    with pytest.raises(RuntimeError, match="after the job"), Testbed(nodes=2) as bed:
+        name = bed.name
+        results = run_on_nodes(
+            bed.nodes,
+            lambda node: [sys.executable, str(script), "fail"],
+            output_dir=tmp_path,
+            timeout=45,
+            failure_grace=1.0,
+        )
+        stuck, failed = results
+        assert (failed.returncode, failed.stopped) == (3, None)
+        assert (stuck.returncode, stuck.stopped) == (-signal.SIGTERM, "peer failed")
+        assert not stuck.ok and not failed.ok
+        pids = pids_in(stuck.read_output()) + pids_in(failed.read_output())
+        assert len(pids) == 2
+        raise RuntimeError("after the job")
+    assert namespaces_of(name) == []
+    assert not any(alive(pid) for pid in pids)
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_to_the_command_tears_down_a_bridged_testbed_and_stale_ones_are_removed(tmp_path):
+    def start(seconds: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.testbed", "exec", "--nodes", "3",
+             "--rate", "100mbit", "--output", str(tmp_path), "--", "sleep", str(seconds)],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+
+    # Interrupted: the command tears its testbed down and exits 128 + 15.
+    command = start(60)
+    prefix = f"distune-tb-{command.pid}-"
+    assert wait_for(lambda: len(namespaces_of(prefix)) == 4, 20)  # 3 nodes and the switch
+    assert wait_for(lambda: (tmp_path / "node2.log").exists(), 10)
+    command.send_signal(signal.SIGTERM)
+    output, _ = command.communicate(timeout=20)
+    assert command.returncode == 128 + signal.SIGTERM, output
+    assert "interrupted by signal 15" in output
+    assert namespaces_of(prefix) == []
+
+    # Killed outright: its testbed is left behind, stale, until the next one removes it.
+    command = start(60)
+    prefix = f"distune-tb-{command.pid}-"
+    assert wait_for(lambda: len(namespaces_of(prefix)) == 4, 20)
+    iproute = require_prerequisites()
+
+    def sleeping() -> list[int]:
+        return [pid for ns in namespaces_of(prefix) for pid in iproute.namespace_pids(ns)]
+
+    assert wait_for(lambda: len(sleeping()) == 3, 10)
+    orphans = sleeping()
+    command.kill()
+    command.communicate(timeout=10)
+    assert len(namespaces_of(prefix)) == 4
+    with Testbed(nodes=2) as live:
+        # Coming up removed the dead command's testbed; one whose owner lives is never stale.
+        assert namespaces_of(prefix) == []
+        assert remove_stale_testbeds(iproute) == []
+        assert len(live.namespaces()) == 2
+    assert wait_for(lambda: not any(alive(pid) for pid in orphans), 5)
+
+
+def test_without_root_the_command_says_so_and_fails():
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("setpriv (util-linux) is needed to drop root")
+    nobody = ["--reuid=65534", "--regid=65534", "--clear-groups"]
+    done = subprocess.run(
+        [setpriv, *nobody, sys.executable, "-m", "benchmarks.testbed", "run", "--", "train.py"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert done.returncode == 3
+    assert "needs root" in done.stderr and "sudo" in done.stderr
