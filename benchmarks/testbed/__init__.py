@@ -12,6 +12,7 @@ Command line: ``python -m benchmarks.testbed --help``. Python::
 from benchmarks.testbed.distune_job import distune_run_argv, run_distune
 from benchmarks.testbed.errors import TestbedError, TestbedInterrupted, TestbedUnavailable
 from benchmarks.testbed.network import (
+    ETC_NETNS,
     MASTER_PORT,
     LinkCounters,
     Node,
@@ -25,6 +26,7 @@ from benchmarks.testbed.prerequisites import missing_prerequisites, require_prer
 from benchmarks.testbed.rate import LinkRate
 
 __all__ = [
+    "ETC_NETNS",
     "MASTER_PORT",
     "LinkCounters",
     "LinkRate",

@@ -10,6 +10,11 @@ pair, or the node's end and its bridge port. So a node's traffic is limited to t
 direction, like a NIC of that speed on a non-blocking switch. The burst must exceed the largest
 frame (MTU plus the Ethernet header) or tbf drops every full-size frame.
 
+Name resolution. Each node's ``/etc/hosts`` (through ``/etc/netns/<namespace>/hosts``, which
+``ip netns exec`` mounts) names the nodes ``node0``, ``node1``, ..., so reverse lookups of node
+addresses answer at once instead of waiting on a DNS server the namespace cannot reach, and
+the machine's host name resolves to the node's own address, as it would on a real node.
+
 Names. An instance is ``distune-tb-<owner pid>-<random>``; its namespaces add ``-node<i>`` or
 ``-switch``. Two testbeds never collide, and one whose owner process is gone is stale: the next
 testbed (or ``python -m benchmarks.testbed cleanup``) kills its processes and deletes it.
@@ -24,7 +29,9 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -45,6 +52,8 @@ PREFIX = "distune-tb"
 _NAMESPACE = re.compile(
     rf"^(?P<instance>{PREFIX}-(?P<owner>\d+)-[0-9a-f]{{6}})-(?:node\d+|switch)$"
 )
+#: Per-namespace files that ``ip netns exec`` bind-mounts over /etc.
+ETC_NETNS = Path("/etc/netns")
 #: The rendezvous port on node 0: every node has its own port space, so it is always free.
 MASTER_PORT = 29500
 DEFAULT_SUBNET = "10.77.0.0/24"
@@ -211,6 +220,11 @@ class Testbed:
         iproute = self._iproute or IpRoute.locate()
         return [name for name in iproute.namespaces() if name.startswith(f"{self.name}-")]
 
+    def leftovers(self) -> list[str]:
+        """This testbed's namespaces and ``/etc/netns`` folders that exist right now."""
+        etc = [path.name for path in ETC_NETNS.glob(f"{self.name}-*")]
+        return sorted({*self.namespaces(), *etc})
+
     def describe(self) -> str:
         """One line: nodes, addresses, rate."""
         rate = f"links shaped to {self.rate}" if self.rate else "links unshaped"
@@ -249,10 +263,10 @@ class Testbed:
             return
         ignored = self._ignore_signals()  # a second Ctrl-C must not leave half a testbed
         try:
-            destroy_testbed(self._iproute, self.namespaces())
-            left = self.namespaces()
+            destroy_testbed(self._iproute, self.leftovers())
+            left = self.leftovers()
             if left:
-                raise TestbedError(f"testbed {self.name}: namespaces left after teardown: {left}")
+                raise TestbedError(f"testbed {self.name}: left after teardown: {left}")
         finally:
             self._nodes = ()
             self._shaped = ()
@@ -276,8 +290,16 @@ class Testbed:
             )
             for rank in range(self.nnodes)
         )
+        machine = socket.gethostname()
         for node in nodes:
             self._add_namespace(iproute, node.namespace)
+            hosts = ["127.0.0.1 localhost", "::1 localhost"]
+            hosts += [
+                f"{other.address} node{other.rank}" + (f" {machine}" if other is node else "")
+                for other in nodes
+            ]
+            (ETC_NETNS / node.namespace).mkdir(parents=True, exist_ok=True)
+            (ETC_NETNS / node.namespace / "hosts").write_text("\n".join(hosts) + "\n")
         shaped = [ShapedDevice(node.namespace, node.interface) for node in nodes]
         if self.switch_namespace is None:
             first, second = nodes
@@ -377,9 +399,10 @@ def _owner_alive(pid: int) -> bool:
 
 
 def stale_testbeds(iproute: IpRoute) -> dict[str, list[str]]:
-    """Testbeds whose owner process is gone: instance name -> its namespaces."""
+    """Testbeds whose owner process is gone: instance name -> its namespaces (or their folders)."""
     stale: dict[str, list[str]] = {}
-    for namespace in iproute.namespaces():
+    etc = [path.name for path in ETC_NETNS.glob(f"{PREFIX}-*")]
+    for namespace in sorted({*iproute.namespaces(), *etc}):
         match = _NAMESPACE.match(namespace)
         if match and not _owner_alive(int(match["owner"])):
             stale.setdefault(match["instance"], []).append(namespace)
@@ -396,7 +419,8 @@ def remove_stale_testbeds(iproute: IpRoute) -> list[str]:
 
 
 def destroy_testbed(iproute: IpRoute, namespaces: Sequence[str]) -> None:
-    """Kill the processes in ``namespaces`` (SIGTERM, then SIGKILL) and delete the namespaces.
+    """Kill the processes in ``namespaces`` (SIGTERM, then SIGKILL), delete the namespaces and
+    their ``/etc/netns`` folders.
 
     Deleting a namespace deletes the links in it; the veth peers in other namespaces go too.
     """
@@ -421,9 +445,12 @@ def destroy_testbed(iproute: IpRoute, namespaces: Sequence[str]) -> None:
         if not pids:
             break
     failures = []
+    existing = set(iproute.namespaces())
     for namespace in namespaces:
         try:
-            iproute.run_ip("netns", "delete", namespace)
+            if namespace in existing:
+                iproute.run_ip("netns", "delete", namespace)
+            shutil.rmtree(ETC_NETNS / namespace, ignore_errors=True)
         except TestbedError as error:
             failures.append(str(error))
     if failures:

@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.testbed import (  # noqa: E402
+    ETC_NETNS,
     Testbed,
     TestbedError,
     missing_prerequisites,
@@ -57,7 +58,9 @@ GLOO_JOB = textwrap.dedent(
 
 
 def namespaces_of(prefix: str) -> list[str]:
-    return [name for name in require_prerequisites().namespaces() if name.startswith(prefix)]
+    """Namespaces, and their /etc/netns folders, whose names start with ``prefix``."""
+    names = [*require_prerequisites().namespaces(), *(p.name for p in ETC_NETNS.glob("*"))]
+    return sorted({name for name in names if name.startswith(prefix)})
 
 
 def pids_in(output: str) -> list[int]:
@@ -90,6 +93,8 @@ def test_two_shaped_nodes_run_a_gloo_job_over_their_link_and_vanish(tmp_path):
         node0, node1 = bed.nodes
         assert (node0.address, node1.address) == ("10.77.0.1", "10.77.0.2")
         assert sorted(bed.namespaces()) == [f"{name}-node0", f"{name}-node1"]
+        hosts = node1.run(["cat", "/etc/hosts"], capture_output=True, text=True, check=True)
+        assert "10.77.0.1 node0" in hosts.stdout
         # Both directions are shaped: each end of the pair limits what it transmits.
         assert {(d.namespace, d.device) for d in bed.shaped_devices} == {
             (node0.namespace, "veth0"),
@@ -162,7 +167,8 @@ def test_sigterm_to_the_command_tears_down_a_bridged_testbed_and_stale_ones_are_
     # Interrupted: the command tears its testbed down and exits 128 + 15.
     command = start(60)
     prefix = f"distune-tb-{command.pid}-"
-    assert wait_for(lambda: len(namespaces_of(prefix)) == 4, 20)  # 3 nodes and the switch
+    # 3 nodes and the switch, and the nodes' /etc/netns folders (same names)
+    assert wait_for(lambda: len(namespaces_of(prefix)) == 4, 20)
     assert wait_for(lambda: (tmp_path / "node2.log").exists(), 10)
     command.send_signal(signal.SIGTERM)
     output, _ = command.communicate(timeout=20)
