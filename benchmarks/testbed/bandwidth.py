@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks.testbed.network import Testbed
+from benchmarks.testbed.network import DEFAULT_BURST_BYTES, Testbed
 from benchmarks.testbed.node_jobs import run_on_nodes
 from benchmarks.testbed.rate import LinkRate, rate_argument
 
@@ -119,7 +119,7 @@ def measure(rate: LinkRate | None, args: argparse.Namespace) -> dict:
         "--repeats", str(args.repeats),
     ]  # fmt: skip
     name = str(rate) if rate else "unshaped"
-    with Testbed(nodes=2, rate=rate) as bed:
+    with Testbed(nodes=2, rate=rate, burst_bytes=args.burst_bytes) as bed:
         results = run_on_nodes(
             bed.nodes,
             lambda node: command,
@@ -180,6 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--size-mib", type=int, default=64, help="allreduce tensor size")
     parser.add_argument("--seconds", type=float, default=4.0, help="per timed repeat")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--burst-bytes", type=int, default=DEFAULT_BURST_BYTES, help="tbf burst (default 256 KiB)"
+    )
     parser.add_argument("--output", type=Path, default=Path("/tmp/distune-testbed-bandwidth"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -189,7 +192,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     rows = [measure(rate, args) for rate in args.rates]
     lines = table(rows, mtu=9000)
-    print(f"{started}, {args.size_mib} MiB float32 gloo allreduce, 2 nodes x 1 rank")
+    print(
+        f"{started}, {args.size_mib} MiB float32 gloo allreduce, 2 nodes x 1 rank, "
+        f"tbf burst {args.burst_bytes} bytes"
+    )
     print("\n".join(lines))
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "bandwidth.json").write_text(json.dumps(rows, indent=2) + "\n")

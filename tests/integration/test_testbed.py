@@ -155,6 +155,28 @@ def test_a_failing_node_stops_its_stuck_peer_and_an_error_still_tears_down(tmp_p
     assert not any(alive(pid) for pid in pids)
 
 
+@pytest.mark.timeout(30)
+def test_a_bridged_testbed_shapes_every_port_and_stops_jobs_at_their_timeout(tmp_path):
+    with Testbed(nodes=3, rate="100mbit") as bed:
+        assert bed.switch_namespace in bed.namespaces()
+        # Each node's own end and its bridge port: both directions of every node's link.
+        assert len(bed.shaped_devices) == 6
+        for device in bed.shaped_devices:
+            (qdisc,) = bed.nodes[0].iproute.qdiscs(device.namespace, device.device)
+            assert (qdisc["kind"], qdisc["options"]["rate"]) == ("tbf", 12_500_000)
+        # Node 2 reaches node 0 through the bridge: a closed port answers at once (refused).
+        probe = "import socket; socket.create_connection(('10.77.0.1', 9), timeout=5)"
+        done = bed.nodes[2].run([sys.executable, "-c", probe], capture_output=True, text=True)
+        assert "ConnectionRefusedError" in done.stderr
+
+        results = run_on_nodes(
+            bed.nodes, lambda node: ["sleep", "30"], output_dir=tmp_path, timeout=0.5
+        )
+        assert [(r.returncode, r.stopped) for r in results] == [(-signal.SIGTERM, "timeout")] * 3
+        name = bed.name
+    assert namespaces_of(name) == []
+
+
 @pytest.mark.timeout(60)
 def test_sigterm_to_the_command_tears_down_a_bridged_testbed_and_stale_ones_are_removed(tmp_path):
     def start(seconds: int) -> subprocess.Popen:
