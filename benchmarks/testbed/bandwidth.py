@@ -1,20 +1,22 @@
 """Sanity figure: allreduce and TCP bandwidth through a shaped link against its configured rate.
 
-Two nodes, one rank each, plain ``torch.distributed`` gloo. For each rate the script brings up a
-fresh testbed and runs, on both nodes:
+Two nodes, one rank each (plain ``torch.distributed`` gloo) or N ranks each (under torchrun).
+For each rate the script brings up a fresh testbed and runs:
 
 * a TCP stream from node 1 to node 0 for ``--seconds`` (goodput measured by the receiver);
 * allreduces of one float32 tensor of ``--size-mib`` MiB, timed ``--repeats`` times over about
   ``--seconds`` each (the slowest rank's time).
 
-Algorithm bandwidth is tensor bytes / seconds per allreduce. Bus bandwidth is algorithm
-bandwidth x 2(n-1)/n: the bytes each rank sends on its link per second in a ring allreduce
-(reduce-scatter then allgather, each moving (n-1)/n of the tensor), so it compares directly with
-the link rate. With n = 2 the two are equal.
+Algorithm bandwidth (algbw) is tensor bytes / seconds per allreduce. Bus bandwidth (busbw) is
+algbw x 2(n-1)/n for n ranks: what each rank sends per second in a ring allreduce
+(reduce-scatter then allgather, each moving (n-1)/n of the tensor). Ranks are numbered node by
+node, so the ring crosses each node's link once per direction and busbw is also the rate on the
+link: it compares directly with the configured rate. With 2 x 1 ranks, busbw = algbw.
 
 Usage (root)::
 
     python -m benchmarks.testbed.bandwidth --rates 1gbit 2gbit 5gbit none
+    python -m benchmarks.testbed.bandwidth --rates 1gbit 2gbit 5gbit --nproc-per-node 2
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import platform
 import socket
 import statistics
 import sys
@@ -31,7 +34,7 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks.testbed.network import DEFAULT_BURST_BYTES, Testbed
+from benchmarks.testbed.network import DEFAULT_BURST_BYTES, MASTER_PORT, Node, Testbed
 from benchmarks.testbed.node_jobs import run_on_nodes
 from benchmarks.testbed.rate import LinkRate, rate_argument
 
@@ -44,12 +47,9 @@ _CHUNK = 4 << 20
 # --- on each node ------------------------------------------------------------------------------
 
 
-def _tcp_goodput(rank: int, address: str, seconds: float, barrier: object) -> float | None:
-    """Rank 1 streams to rank 0 for ``seconds``; rank 0 returns the bytes/s it received."""
-    if rank > 1:
-        barrier()  # type: ignore[operator]
-        return None
-    if rank == 0:
+def _tcp_goodput(role: str, address: str, seconds: float, barrier: object) -> float | None:
+    """The sender streams to the receiver for ``seconds``; the receiver returns its bytes/s."""
+    if role == "receiver":
         with socket.create_server((address, _TCP_PORT)) as server:
             barrier()  # type: ignore[operator]
             connection, _ = server.accept()
@@ -60,22 +60,26 @@ def _tcp_goodput(rank: int, address: str, seconds: float, barrier: object) -> fl
                     received += len(data)
                 return received / (time.perf_counter() - start)
     barrier()  # type: ignore[operator]
-    payload = bytes(_CHUNK)
-    with socket.create_connection((address, _TCP_PORT)) as connection:
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            connection.sendall(payload)
+    if role == "sender":
+        payload = bytes(_CHUNK)
+        with socket.create_connection((address, _TCP_PORT)) as connection:
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                connection.sendall(payload)
     return None
 
 
 def run_worker(size_bytes: int, seconds: float, repeats: int) -> None:
-    """One rank of the measurement; rank 0 prints the result line."""
+    """One rank of the measurement (plain script or under torchrun); rank 0 prints the result."""
     import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    tcp = _tcp_goodput(rank, os.environ["MASTER_ADDR"], seconds, dist.barrier)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    # Node 1's first rank streams to node 0's first rank, across the link.
+    role = {0: "receiver", per_node: "sender"}.get(rank, "idle")
+    tcp = _tcp_goodput(role, os.environ["MASTER_ADDR"], seconds, dist.barrier)
     dist.barrier()
 
     tensor = torch.zeros(size_bytes // 4, dtype=torch.float32)
@@ -95,6 +99,7 @@ def run_worker(size_bytes: int, seconds: float, repeats: int) -> None:
     if rank == 0:
         result = {
             "world_size": world,
+            "ranks_per_node": per_node,
             "tensor_bytes": tensor.numel() * 4,
             "iterations": int(iterations),
             "seconds_per_allreduce": samples,
@@ -111,23 +116,33 @@ def _gbit(bytes_per_second: float) -> float:
     return bytes_per_second * 8 / 1e9
 
 
-def measure(rate: LinkRate | None, args: argparse.Namespace) -> dict:
-    """Bring up a 2-node testbed at ``rate``, run the workers, return node 0's figures."""
-    command = [
-        sys.executable, "-m", "benchmarks.testbed.bandwidth", "--worker",
-        "--size-mib", str(args.size_mib), "--seconds", str(args.seconds),
-        "--repeats", str(args.repeats),
+def _worker_command(node: Node, args: argparse.Namespace) -> list[str]:
+    worker = [
+        "benchmarks.testbed.bandwidth", "--worker", "--size-mib", str(args.size_mib),
+        "--seconds", str(args.seconds), "--repeats", str(args.repeats),
     ]  # fmt: skip
-    name = str(rate) if rate else "unshaped"
+    if args.nproc_per_node == 1:
+        return [sys.executable, "-m", *worker]
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", str(node.nnodes), "--node_rank", str(node.rank),
+        "--nproc_per_node", str(args.nproc_per_node), "--rdzv_backend", "static",
+        "--master_addr", node.master_address, "--master_port", str(MASTER_PORT),
+        "-m", *worker,
+    ]  # fmt: skip
+
+
+def measure(rate: LinkRate | None, args: argparse.Namespace) -> dict:
+    """Bring up a 2-node testbed at ``rate``, run the workers, return rank 0's figures."""
+    name = f"{rate or 'unshaped'}-2x{args.nproc_per_node}"
     with Testbed(nodes=2, rate=rate, burst_bytes=args.burst_bytes) as bed:
         results = run_on_nodes(
             bed.nodes,
-            lambda node: command,
+            lambda node: _worker_command(node, args),
             output_dir=args.output / name,
             timeout=60 + 3 * args.seconds * (args.repeats + 2),
             env={"PYTHONPATH": str(REPO)},
         )
-        counters = [node.link_counters() for node in bed.nodes]
     failed = [result for result in results if not result.ok]
     if failed:
         raise RuntimeError(f"{name}: node{failed[0].rank} failed, see {failed[0].output}")
@@ -138,16 +153,15 @@ def measure(rate: LinkRate | None, args: argparse.Namespace) -> dict:
     ]
     figures = json.loads(line)
     figures["rate_bits_per_second"] = rate.bits_per_second if rate else None
-    figures["link_tx_bytes"] = [c.tx_bytes for c in counters]
     return figures
 
 
 def table(rows: Sequence[dict], mtu: int) -> list[str]:
     """The Markdown table of the figures (Gbit/s; percentages of the configured rate)."""
     lines = [
-        "| link rate | payload ceiling | TCP goodput | allreduce algbw (median, min-max) "
-        "| allreduce busbw | busbw / rate |",
-        "|---|---|---|---|---|---|",
+        "| link rate | nodes x ranks | payload ceiling | TCP goodput "
+        "| allreduce algbw (median, min-max) | allreduce busbw | busbw / rate |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         world = row["world_size"]
@@ -165,7 +179,7 @@ def table(rows: Sequence[dict], mtu: int) -> list[str]:
         else:
             ceiling, label, share, tcp_text = "-", "unshaped", "-", f"{_gbit(tcp):.3f}"
         lines.append(
-            f"| {label} | {ceiling} | {tcp_text} | {_gbit(median):.3f} "
+            f"| {label} | 2x{row['ranks_per_node']} | {ceiling} | {tcp_text} | {_gbit(median):.3f} "
             f"({_gbit(algbw[0]):.3f}-{_gbit(algbw[-1]):.3f}) | {_gbit(busbw):.3f} | {share} |"
         )
     return lines
@@ -180,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--size-mib", type=int, default=64, help="allreduce tensor size")
     parser.add_argument("--seconds", type=float, default=4.0, help="per timed repeat")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks a node (torchrun)")
     parser.add_argument(
         "--burst-bytes", type=int, default=DEFAULT_BURST_BYTES, help="tbf burst (default 256 KiB)"
     )
@@ -190,10 +205,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_worker(args.size_mib << 20, args.seconds, args.repeats)
         return 0
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    load_before = os.getloadavg()[0]
     rows = [measure(rate, args) for rate in args.rates]
+    load_after = os.getloadavg()[0]
     lines = table(rows, mtu=9000)
     print(
-        f"{started}, {args.size_mib} MiB float32 gloo allreduce, 2 nodes x 1 rank, "
+        f"{started}, {platform.system()} {platform.release()}, {os.cpu_count()} CPUs, "
+        f"1-min load average {load_before:.1f} before, {load_after:.1f} after; "
+        f"{args.size_mib} MiB float32 gloo allreduce, 2 nodes x {args.nproc_per_node} ranks, "
         f"tbf burst {args.burst_bytes} bytes"
     )
     print("\n".join(lines))
