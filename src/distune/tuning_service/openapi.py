@@ -1,0 +1,288 @@
+"""The OpenAPI 3 document of the REST API v1, served at ``/api/v1/openapi.json``.
+
+Tests validate it with openapi-spec-validator, check that every route the app serves is in
+it, and validate real responses against its schemas, so it cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distune.space import BUCKET_SIZE_2P_LIMITS
+from distune.tuning_service.messages import MAX_COUNT, MODEL_NAME_PATTERN, SECONDS_RANGE
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    meanings = {
+        400: "malformed body or field; the message names the field",
+        401: "missing or wrong bearer token",
+        404: "no model of that name is registered",
+        409: "conflicts with the service's state",
+        413: "request body over 1 MiB",
+    }
+    return {str(status): _json(_ref("Error"), meanings[status]) for status in statuses}
+
+
+_COUNT = {"type": "integer", "minimum": 1, "maximum": 2**62}
+_NAME = {
+    "name": "name",
+    "in": "path",
+    "required": True,
+    "description": "the model's name, as given to DistributedDataParallel(name=...)",
+    "schema": {"type": "string", "pattern": f"^{MODEL_NAME_PATTERN.pattern}$"},
+}
+
+_SCHEMAS: dict[str, Any] = {
+    "Error": {
+        "type": "object",
+        "required": ["error"],
+        "properties": {"error": {"type": "string", "description": "what is wrong"}},
+    },
+    "Hyperparameters": {
+        "type": "object",
+        "required": ["bucket_size_2p", "is_hierarchical_reduce"],
+        "additionalProperties": False,
+        "properties": {
+            "bucket_size_2p": {
+                "type": "integer",
+                "minimum": BUCKET_SIZE_2P_LIMITS[0],
+                "maximum": BUCKET_SIZE_2P_LIMITS[1],
+                "description": "the bucket size is 2**bucket_size_2p bytes",
+            },
+            "is_hierarchical_reduce": {
+                "type": "boolean",
+                "description": "intra-node reduce, inter-node allreduce, intra-node broadcast",
+            },
+        },
+    },
+    "Group": {
+        "type": "object",
+        "required": ["id", "hyperparameters"],
+        "properties": {
+            "id": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "new for every sample; reports name the group they measured",
+            },
+            "hyperparameters": _ref("Hyperparameters"),
+        },
+    },
+    "State": {"type": "string", "enum": ["warmup", "sampling", "completed"]},
+    "Reply": {
+        "type": "object",
+        "required": ["group", "state", "completed"],
+        "properties": {
+            "group": _ref("Group"),
+            "state": _ref("State"),
+            "completed": {"type": "boolean", "description": "the group will not change again"},
+        },
+    },
+    "StaleGroup": {
+        "description": "a report for a group that is not current; carries the current group",
+        "type": "object",
+        "required": ["error", "group", "state", "completed"],
+        "properties": {
+            "error": {"type": "string"},
+            "group": _ref("Group"),
+            "state": _ref("State"),
+            "completed": {"type": "boolean"},
+        },
+    },
+    "Registration": {
+        "type": "object",
+        "required": ["world_size", "nnodes", "local_world_size", "gradient_bytes"],
+        "additionalProperties": False,
+        "properties": {
+            "world_size": _COUNT | {"description": "ranks in the job; nnodes x local_world_size"},
+            "nnodes": _COUNT,
+            "local_world_size": _COUNT | {"description": "ranks per node"},
+            "gradient_bytes": _COUNT | {"description": "bytes of the model's gradients"},
+            "fixed": {
+                "type": "object",
+                "additionalProperties": False,
+                "description": "knobs the model pins; merged over the service's --fixed",
+                "properties": {
+                    "bucket_size_2p": {
+                        "type": "integer",
+                        "minimum": BUCKET_SIZE_2P_LIMITS[0],
+                        "maximum": BUCKET_SIZE_2P_LIMITS[1],
+                    },
+                    "is_hierarchical_reduce": {"type": "boolean"},
+                },
+            },
+        },
+    },
+    "Report": {
+        "type": "object",
+        "required": ["group_id", "train_iter", "iterations", "seconds"],
+        "additionalProperties": False,
+        "properties": {
+            "group_id": {"type": "integer", "minimum": 0, "maximum": MAX_COUNT},
+            "train_iter": {
+                "type": "integer",
+                "minimum": 0,
+                "maximum": MAX_COUNT,
+                "description": "training iterations done at the end of the window",
+            },
+            "iterations": {
+                "type": "integer",
+                "minimum": 1,
+                "maximum": MAX_COUNT,
+                "description": "iterations in the window",
+            },
+            "seconds": {
+                "type": "number",
+                "minimum": SECONDS_RANGE[0],
+                "maximum": SECONDS_RANGE[1],
+                "description": "the slowest rank's wall-clock seconds for the window",
+            },
+            "samples": {
+                "type": "integer",
+                "minimum": 1,
+                "maximum": MAX_COUNT,
+                "description": "samples in the window: scores become samples per second",
+            },
+        },
+    },
+    "Best": {
+        "type": "object",
+        "required": ["group", "score", "gain_vs_default"],
+        "properties": {
+            "group": _ref("Group"),
+            "score": {"type": "number", "description": "robust throughput over its windows"},
+            "gain_vs_default": {"type": "number", "description": "score / default score - 1"},
+        },
+    },
+    "ModelStatus": {
+        "type": "object",
+        "required": ["state", "samples", "max_samples", "current", "best", "default_score"],
+        "properties": {
+            "state": _ref("State"),
+            "samples": {"type": "integer", "minimum": 0},
+            "max_samples": {"type": "integer", "minimum": 1},
+            "current": _ref("Group"),
+            "best": {
+                "oneOf": [_ref("Best"), {"type": "null"}],
+                "description": "the best group so far; the choice once completed",
+            },
+            "default_score": {"type": ["number", "null"]},
+        },
+    },
+    "Status": {
+        "type": "object",
+        "required": ["models"],
+        "properties": {
+            "models": {"type": "object", "additionalProperties": _ref("ModelStatus")},
+        },
+    },
+    "Health": {
+        "type": "object",
+        "required": ["status", "version"],
+        "properties": {
+            "status": {"type": "string", "enum": ["ok"]},
+            "version": {"type": "string"},
+        },
+    },
+}
+
+
+def openapi_document(version: str) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the service (``version``: distune's)."""
+
+    def body_of(schema: str) -> dict[str, Any]:
+        return {"required": True, "content": {"application/json": {"schema": _ref(schema)}}}
+
+    models = "/api/v1/models/{name}"
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "distune tuning service",
+            "version": version,
+            "description": "Online tuning of data-parallel communication settings.",
+        },
+        "components": {
+            "schemas": _SCHEMAS,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        # Only enforced when the service has DISTUNE_SERVICE_TOKEN in its environment.
+        "security": [{"bearer": []}],
+        "paths": {
+            "/api/v1/health": {
+                "get": {
+                    "summary": "liveness; never needs the token",
+                    "operationId": "health",
+                    "security": [],
+                    "responses": {"200": _json(_ref("Health"), "the service is up")},
+                }
+            },
+            f"{models}/register": {
+                "post": {
+                    "summary": "start tuning a model, or resume its session",
+                    "operationId": "register",
+                    "parameters": [_NAME],
+                    "requestBody": body_of("Registration"),
+                    "responses": {"200": _json(_ref("Reply"), "the group to run")}
+                    | _errors(400, 401, 409, 413),
+                }
+            },
+            f"{models}/report": {
+                "post": {
+                    "summary": "report one measured window; answers the group to run",
+                    "operationId": "report",
+                    "parameters": [_NAME],
+                    "requestBody": body_of("Report"),
+                    "responses": {
+                        "200": _json(_ref("Reply"), "the group to run"),
+                        "409": _json(_ref("StaleGroup"), "the group is not current"),
+                    }
+                    | _errors(400, 401, 404, 413),
+                }
+            },
+            f"{models}/hyperparameters": {
+                "get": {
+                    "summary": "the group a model should run now",
+                    "operationId": "hyperparameters",
+                    "parameters": [_NAME],
+                    "responses": {"200": _json(_ref("Reply"), "the group to run")}
+                    | _errors(400, 401, 404),
+                }
+            },
+            f"{models}/log": {
+                "get": {
+                    "summary": "the model's CSV tuning log, header first",
+                    "operationId": "log",
+                    "parameters": [_NAME],
+                    "responses": {
+                        "200": {
+                            "description": "one row per sample, then the final choice",
+                            "content": {"text/csv": {"schema": {"type": "string"}}},
+                        }
+                    }
+                    | _errors(400, 401, 404),
+                }
+            },
+            "/api/v1/status": {
+                "get": {
+                    "summary": "every model's tuning state",
+                    "operationId": "status",
+                    "responses": {"200": _json(_ref("Status"), "per model")} | _errors(401),
+                }
+            },
+            "/api/v1/openapi.json": {
+                "get": {
+                    "summary": "this document",
+                    "operationId": "openapi",
+                    "responses": {"200": _json({"type": "object"}, "the OpenAPI document")}
+                    | _errors(401),
+                }
+            },
+        },
+    }

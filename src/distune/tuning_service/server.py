@@ -1,0 +1,194 @@
+"""``python -m distune.tuning_service``: the service as a process, served by waitress.
+
+Once its socket is bound it prints exactly one line to stdout, a JSON object a launcher can
+read (``--port 0`` picks a free port)::
+
+    {"event": "listening", "url": "http://127.0.0.1:41234", "host": "127.0.0.1",
+     "port": 41234, "log_file": "/tmp/distune_autotune_k2j4.log"}
+
+Nothing else goes to stdout; diagnostics go to stderr. SIGTERM and SIGINT stop it cleanly
+(exit code 0). If ``DISTUNE_SERVICE_TOKEN`` is in its environment, every request but the health
+check needs ``Authorization: Bearer <token>``; the token is never taken from the command line,
+where ``ps`` would show it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+from waitress.server import create_server
+
+from distune.space import FixedKnobs, HyperparameterError
+from distune.tuning_service.app import MAX_BODY_BYTES, create_app
+from distune.tuning_service.best_file import BestFileError, check_path
+from distune.tuning_service.config import ConfigError, TuningConfig
+from distune.tuning_service.service import TuningService
+from distune.tuning_service.tuning_log import LogFileError, TuningLog
+from distune.worker_settings import SERVICE_TOKEN
+
+logger = logging.getLogger("distune.tuning_service")
+
+#: waitress buffers a whole body before the app sees it; past this it refuses (plain-text 413)
+#: without reading it. Between MAX_BODY_BYTES and this, the app answers a JSON 413.
+SERVER_BODY_LIMIT = 4 * MAX_BODY_BYTES
+
+
+def _parser() -> argparse.ArgumentParser:
+    defaults = TuningConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m distune.tuning_service",
+        description="The distune tuning service: REST API v1 over HTTP (docs/tuning_service.md).",
+    )
+
+    def option(*names: str, **kwargs: object) -> None:
+        # Both --a-b and --a_b spellings, as the launcher (and torchrun) accept.
+        spellings = [*names, *(n.replace("-", "_") for n in names if "-" in n[2:])]
+        parser.add_argument(*spellings, **kwargs)  # type: ignore[arg-type]
+
+    option("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    option("--port", type=int, default=0, help="port; 0 picks a free one (default: 0)")
+    logs = parser.add_mutually_exclusive_group()
+    logs.add_argument("--log-file", "--log_file", metavar="PATH", help="write the CSV log to PATH")
+    logs.add_argument(
+        "--log-dir",
+        "--log_dir",
+        metavar="DIR",
+        help="write the CSV log to DIR/distune_autotune_<random>.log",
+    )
+    option(
+        "--max-samples",
+        type=int,
+        default=defaults.max_samples,
+        help="at most N sampled groups per model (default: %(default)s)",
+    )
+    option(
+        "--sampling-confidence-time",
+        type=float,
+        default=defaults.sampling_confidence_time,
+        help="seconds of reported time each group is measured (default: %(default)s)",
+    )
+    option(
+        "--warmup-time",
+        type=float,
+        default=defaults.warmup_time,
+        help="seconds of reported time ignored at the start (default: %(default)s)",
+    )
+    option(
+        "--fixed",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KNOB=VALUE",
+        help="pin a knob for every model, e.g. bucket_size_2p=22 is_hierarchical_reduce=false",
+    )
+    option(
+        "--default-bucket-size",
+        type=int,
+        default=defaults.default_bucket_size,
+        help="bytes of the default group's bucket (default: %(default)s)",
+    )
+    option("--best-file", metavar="PATH", help="write the chosen groups as JSON to PATH")
+    option("--seed", type=int, default=None, help="seed the optimizers, for reproducible runs")
+    option(
+        "--max-models",
+        type=int,
+        default=defaults.max_models,
+        help="how many models the service tunes at most (default: %(default)s)",
+    )
+    option("--threads", type=int, default=8, help="request threads (default: %(default)s)")
+    return parser
+
+
+def _config(args: argparse.Namespace) -> TuningConfig:
+    return TuningConfig(
+        max_samples=args.max_samples,
+        sampling_confidence_time=args.sampling_confidence_time,
+        warmup_time=args.warmup_time,
+        fixed=FixedKnobs.parse(args.fixed),
+        default_bucket_size=args.default_bucket_size,
+        seed=args.seed,
+        max_models=args.max_models,
+    )
+
+
+def _stop(signum: int, frame: FrameType | None) -> None:
+    # waitress's loop ends on SystemExit and lets its request threads finish.
+    raise SystemExit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the service until SIGTERM or SIGINT; returns the exit code (2: bad arguments)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.INFO, format="%(name)s %(levelname)s: %(message)s"
+    )
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be in [0, 65535], got {args.port}")
+    if not 1 <= args.threads <= 256:
+        parser.error(f"--threads must be in [1, 256], got {args.threads}")
+    try:
+        config = _config(args)
+    except (ConfigError, HyperparameterError) as error:
+        parser.error(str(error))
+    best_path = None if args.best_file is None else Path(args.best_file)
+    try:
+        if best_path is not None:
+            check_path(best_path)
+        log = None
+        if args.log_file is not None or args.log_dir is not None:
+            log = TuningLog.create(path=args.log_file, directory=args.log_dir)
+    except (BestFileError, LogFileError) as error:
+        parser.error(str(error))
+    token = os.environ.get(SERVICE_TOKEN) or None
+    app = create_app(TuningService(config, log, best_path), token=token)
+    try:
+        server = create_server(
+            app,
+            host=args.host,
+            port=args.port,
+            threads=args.threads,
+            ident="distune",
+            max_request_body_size=SERVER_BODY_LIMIT,
+        )
+    except OSError as error:
+        print(
+            f"distune.tuning_service: cannot listen on {args.host}:{args.port}: {error}",
+            file=sys.stderr,
+        )
+        return 1
+    if not hasattr(server, "effective_port"):
+        # A name resolving to several addresses gets one socket (and, with port 0, one port)
+        # each; a launcher could reach only one of them.
+        server.close()
+        parser.error(f"--host must name a single address, got {args.host!r}; give an IP address")
+    host, port = server.effective_host, server.effective_port
+    url_host = f"[{host}]" if ":" in str(host) else host
+    announcement = {
+        "event": "listening",
+        "url": f"http://{url_host}:{port}",
+        "host": host,
+        "port": port,
+        "log_file": None if log is None else str(log.path),
+    }
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    print(json.dumps(announcement), flush=True)
+    if log is not None:
+        logger.info("tuning log: %s", log.path)
+    if token is None:
+        logger.warning("no %s in the environment: requests are not authenticated", SERVICE_TOKEN)
+    try:
+        server.run()
+    finally:
+        server.close()
+        if log is not None:
+            log.close()
+    return 0

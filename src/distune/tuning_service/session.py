@@ -1,0 +1,409 @@
+"""One model's tuning session: the state machine that turns report windows into groups.
+
+States: ``warmup`` (the first ``warmup_time`` reported seconds are ignored) -> ``sampling``
+(each group is measured for at least ``sampling_confidence_time`` reported seconds and
+``min_windows`` windows, then scored) -> ``completed`` (the best group by its robust score is
+handed out for good). The default group is handed out first and is the first group sampled.
+
+Everything the session decides follows from what it is told: the reports and their
+``seconds``, never a clock. It is not thread-safe; the service holds a lock per session. After
+every change it publishes an immutable :class:`SessionView`, which readers (``/status``,
+``/hyperparameters``) take without waiting for that lock, so they stay fast while a report
+is fitting the Gaussian process.
+
+How the next group is chosen (:meth:`TuningSession._next_sample`), in order:
+
+1. nothing left to tune, or ``max_samples`` taken: complete;
+2. the best group and its runners-up within ``confirm_margin`` (``confirm_top`` in all) are
+   *contenders*; one measured only once is re-measured ("confirm") when the search has
+   converged, or when the budget left is only enough for the contenders;
+3. otherwise the optimizer proposes an unmeasured group ("initial" while the space-filling
+   design runs, "bayes" after). When every group has been measured, or (after
+   ``stop_min_groups`` groups) no unmeasured group is expected to beat the best by
+   ``stop_improvement``, the search has converged: go to 2, then complete.
+
+A re-measured group's windows are pooled with its earlier ones, and the optimizer is told the
+pooled score, so a second sample refines the estimate rather than competing with the first.
+"""
+
+from __future__ import annotations
+
+import enum
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from distune.space import FixedKnobs, Hyperparameters, ModelFacts, SearchSpace
+from distune.tuning_service.config import TuningConfig
+from distune.tuning_service.messages import Report, RequestError
+from distune.tuning_service.optimizer import GroupOptimizer
+from distune.tuning_service.score import robust_throughput
+
+
+class State(str, enum.Enum):
+    """Where a session is."""
+
+    WARMUP = "warmup"
+    SAMPLING = "sampling"
+    COMPLETED = "completed"
+
+
+class Phase(str, enum.Enum):
+    """Why a group was measured (the log's ``phase`` column)."""
+
+    DEFAULT = "default"
+    INITIAL = "initial"
+    BAYES = "bayes"
+    CONFIRM = "confirm"
+    #: Not a sample: the log row of the final choice.
+    COMPLETED = "completed"
+
+
+@dataclass(frozen=True)
+class Group:
+    """A group handed out to a job: an id (new for every sample) and its hyperparameters."""
+
+    id: int
+    hyperparameters: Hyperparameters
+
+    def to_dict(self) -> dict[str, Any]:
+        """The REST API's ``G``."""
+        return {"id": self.id, "hyperparameters": self.hyperparameters.to_dict()}
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What the job is told after registering, reporting or asking: the group to run."""
+
+    group: Group
+    state: State
+
+    @property
+    def completed(self) -> bool:
+        """Whether tuning is over: the group will not change again."""
+        return self.state is State.COMPLETED
+
+    def to_dict(self) -> dict[str, Any]:
+        """The REST API's reply body."""
+        return {
+            "group": self.group.to_dict(),
+            "state": self.state.value,
+            "completed": self.completed,
+        }
+
+
+@dataclass(frozen=True)
+class SampleRecord:
+    """One measured sample (or, with phase ``completed``, the final choice): a log row.
+
+    ``score`` is the sample's robust throughput (for the final row, the chosen group's score
+    over all its windows); ``gain_vs_default`` compares it with the default group's score.
+    """
+
+    model: str
+    sample: int
+    group: Group
+    phase: Phase
+    score: float
+    train_iter: int
+    seconds: float
+    iterations: int
+    windows: int
+    gain_vs_default: float
+
+
+@dataclass(frozen=True)
+class Best:
+    """The best group so far (the choice, once completed) by its robust score."""
+
+    group: Group
+    score: float
+    gain_vs_default: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``best`` object of ``/status``."""
+        return {
+            "group": self.group.to_dict(),
+            "score": self.score,
+            "gain_vs_default": self.gain_vs_default,
+        }
+
+
+@dataclass(frozen=True)
+class SessionView:
+    """An immutable snapshot of a session, published after every change."""
+
+    name: str
+    state: State
+    current: Group
+    samples: int
+    max_samples: int
+    best: Best | None
+    default_score: float | None
+    records: tuple[SampleRecord, ...]
+
+    @property
+    def reply(self) -> Reply:
+        """The reply for the current group."""
+        return Reply(self.current, self.state)
+
+    def to_status(self) -> dict[str, Any]:
+        """This model's entry in ``/status``."""
+        return {
+            "state": self.state.value,
+            "samples": self.samples,
+            "max_samples": self.max_samples,
+            "current": self.current.to_dict(),
+            "best": None if self.best is None else self.best.to_dict(),
+            "default_score": self.default_score,
+        }
+
+
+class StaleGroupError(Exception):
+    """A report names a group that is not current; it is counted and ignored."""
+
+    def __init__(self, group_id: int, reply: Reply) -> None:
+        super().__init__(
+            f"group_id: group {group_id} is not current; the current group is {reply.group.id}"
+        )
+        self.reply = reply
+
+
+@dataclass
+class _Measurements:
+    """Every scored window of one group, across its samples."""
+
+    rates: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    iterations: int = 0
+    samples: int = 0
+
+    @property
+    def score(self) -> float:
+        return robust_throughput(self.rates)
+
+
+@dataclass
+class _Sample:
+    """The sample being measured: the current group's scored windows so far."""
+
+    group: Group
+    phase: Phase
+    rates: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    iterations: int = 0
+
+
+class TuningSession:
+    """The tuning state machine of one model (see the module's docstring).
+
+    Creating a session is the model's first registration: the default group is handed out.
+    """
+
+    def __init__(
+        self, name: str, facts: ModelFacts, fixed: FixedKnobs, config: TuningConfig
+    ) -> None:
+        self.name = name
+        self.facts = facts
+        self.fixed = fixed
+        self.config = config
+        self.space = SearchSpace.for_model(facts, fixed, config.default_bucket_size)
+        self._optimizer = (
+            GroupOptimizer(self.space, config.optimizer, _model_seed(config.seed, name))
+            if self.space.tuned
+            else None
+        )
+        self._state = State.WARMUP if config.warmup_time > 0 else State.SAMPLING
+        self._warmup_seconds = 0.0
+        self._group = Group(0, self.space.default)
+        self._sample = _Sample(self._group, Phase.DEFAULT)
+        # The first window after a registration or a switch is discarded: it holds the cost of
+        # starting up or of applying the switch, not the group's throughput.
+        self._discard_next = True
+        self._counts_samples: bool | None = None
+        self._measurements: dict[Hyperparameters, _Measurements] = {}
+        self._records: list[SampleRecord] = []
+        self._best: Best | None = None
+        self._converged = False
+        self.stale_reports = 0
+        self.view = self._make_view()
+
+    def register(self) -> Reply:
+        """A re-registration (a restarted job): tuning resumes where it was. The next window
+        is discarded, since it holds the restart."""
+        if self._state is not State.COMPLETED:
+            self._discard_next = True
+        return self.view.reply
+
+    def report(self, report: Report) -> tuple[Reply, list[SampleRecord]]:
+        """Account one report window; returns the reply and the log rows it produced (a finished
+        sample, and the final choice if the session completed).
+
+        Raises StaleGroupError for a group that is not current, and RequestError for a window
+        that counts samples where earlier ones did not (or the other way around).
+        """
+        if report.group_id != self._group.id:
+            self.stale_reports += 1
+            raise StaleGroupError(report.group_id, self.view.reply)
+        if self._state is State.COMPLETED:
+            return self.view.reply, []
+        if self._state is State.WARMUP:
+            self._discard_next = False  # warmup ignores windows anyway
+            self._warmup_seconds += report.seconds
+            if self._warmup_seconds >= self.config.warmup_time:
+                self._state = State.SAMPLING
+                self.view = self._make_view()
+            return self.view.reply, []
+        if self._discard_next:
+            self._discard_next = False
+            return self.view.reply, []
+        counts_samples = report.samples is not None
+        if self._counts_samples is None:
+            self._counts_samples = counts_samples
+        elif counts_samples != self._counts_samples:
+            unit = "samples" if self._counts_samples else "iterations"
+            raise RequestError(
+                "samples",
+                f"model {self.name!r} is scored in {unit} per second: "
+                "give samples in every report or in none",
+            )
+        sample = self._sample
+        sample.rates.append(report.rate)
+        sample.seconds += report.seconds
+        sample.iterations += report.iterations
+        if (
+            sample.seconds < self.config.sampling_confidence_time
+            or len(sample.rates) < self.config.min_windows
+        ):
+            return self.view.reply, []
+        records = self._finish_sample(report.train_iter)
+        self.view = self._make_view()
+        return self.view.reply, records
+
+    def _finish_sample(self, train_iter: int) -> list[SampleRecord]:
+        sample = self._sample
+        hp = sample.group.hyperparameters
+        score = robust_throughput(sample.rates)
+        measured = self._measurements.setdefault(hp, _Measurements())
+        measured.rates += sample.rates
+        measured.seconds += sample.seconds
+        measured.iterations += sample.iterations
+        measured.samples += 1
+        if self._optimizer is not None:
+            # The optimizer sees each group's pooled score: a re-measurement refines it.
+            self._optimizer.tell(hp, measured.score)
+        default_score = self._measurements[self.space.default].score
+        records = [
+            SampleRecord(
+                model=self.name,
+                sample=len(self._records) + 1,
+                group=sample.group,
+                phase=sample.phase,
+                score=score,
+                train_iter=train_iter,
+                seconds=sample.seconds,
+                iterations=sample.iterations,
+                windows=len(sample.rates),
+                gain_vs_default=score / default_score - 1.0,
+            )
+        ]
+        self._records += records
+        self._best = self._best_so_far()
+        planned = self._next_sample()
+        if planned is None:
+            final = self._complete(train_iter)
+            self._records.append(final)
+            records.append(final)
+        else:
+            hp, phase = planned
+            self._group = Group(self._group.id + 1, hp)
+            self._sample = _Sample(self._group, phase)
+            self._discard_next = True
+        return records
+
+    def _best_so_far(self) -> Best:
+        default_score = self._measurements[self.space.default].score
+        hp, measured = max(self._measurements.items(), key=lambda item: item[1].score)
+        group = self._latest_group(hp)
+        return Best(group, measured.score, measured.score / default_score - 1.0)
+
+    def _latest_group(self, hp: Hyperparameters) -> Group:
+        if self._group.hyperparameters == hp:
+            return self._group
+        return next(r.group for r in reversed(self._records) if r.group.hyperparameters == hp)
+
+    def _complete(self, train_iter: int) -> SampleRecord:
+        assert self._best is not None
+        hp = self._best.group.hyperparameters
+        if self._group.hyperparameters != hp:
+            self._group = Group(self._group.id + 1, hp)
+        self._best = Best(self._group, self._best.score, self._best.gain_vs_default)
+        self._state = State.COMPLETED
+        measured = self._measurements[hp]
+        return SampleRecord(
+            model=self.name,
+            sample=len(self._records),
+            group=self._group,
+            phase=Phase.COMPLETED,
+            score=self._best.score,
+            train_iter=train_iter,
+            seconds=measured.seconds,
+            iterations=measured.iterations,
+            windows=len(measured.rates),
+            gain_vs_default=self._best.gain_vs_default,
+        )
+
+    def _contenders_to_confirm(self) -> list[Hyperparameters]:
+        """The best group and its runners-up within the margin, if measured only once."""
+        ranked = sorted(self._measurements.items(), key=lambda item: item[1].score, reverse=True)
+        floor = ranked[0][1].score * (1.0 - self.config.confirm_margin)
+        contenders = [hp for hp, m in ranked[: self.config.confirm_top] if m.score >= floor]
+        return [hp for hp in contenders if self._measurements[hp].samples < 2]
+
+    def _next_sample(self) -> tuple[Hyperparameters, Phase] | None:
+        """The next group to sample and why, or None to complete (see the module docstring)."""
+        if self._optimizer is None:
+            return None  # nothing to tune: the default group's score is all there is to know
+        remaining = self.config.max_samples - len(self._records)
+        if remaining <= 0:
+            return None
+        to_confirm = self._contenders_to_confirm()
+        if to_confirm and (self._converged or remaining <= len(to_confirm)):
+            return to_confirm[0], Phase.CONFIRM
+        if self._converged:
+            return None
+        suggestion = self._optimizer.suggest()
+        settings = self.config.optimizer
+        if suggestion is not None:
+            improvement = suggestion.expected_improvement
+            if improvement is None:
+                return suggestion.hyperparameters, Phase.INITIAL
+            if (
+                improvement >= settings.stop_improvement
+                or len(self._measurements) < settings.stop_min_groups
+            ):
+                return suggestion.hyperparameters, Phase.BAYES
+        self._converged = True  # every group measured, or nothing left worth measuring
+        return self._next_sample()
+
+    def _make_view(self) -> SessionView:
+        default = self._measurements.get(self.space.default)
+        return SessionView(
+            name=self.name,
+            state=self._state,
+            current=self._group,
+            samples=sum(r.phase is not Phase.COMPLETED for r in self._records),
+            max_samples=self.config.max_samples,
+            best=self._best,
+            default_score=None if default is None else default.score,
+            records=tuple(self._records),
+        )
+
+
+def _model_seed(seed: int | None, name: str) -> int | None:
+    """A seed per model, so two models of one job explore independently but reproducibly."""
+    if seed is None:
+        return None
+    return int(np.random.SeedSequence([seed, zlib.crc32(name.encode())]).generate_state(1)[0])

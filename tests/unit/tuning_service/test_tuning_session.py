@@ -1,0 +1,275 @@
+"""The tuning session's state machine, driven by scripted reports (no clock, no sleeping)."""
+
+import math
+import random
+
+import pytest
+
+from distune.space import FixedKnobs, Hyperparameters, ModelFacts
+from distune.tuning_service.config import OptimizerSettings, TuningConfig
+from distune.tuning_service.messages import Report, RequestError
+from distune.tuning_service.session import Phase, StaleGroupError, State, TuningSession
+
+TWO_NODES = ModelFacts(world_size=8, nnodes=2, local_world_size=4, gradient_bytes=2**28)
+ONE_NODE = ModelFacts(world_size=4, nnodes=1, local_world_size=4, gradient_bytes=2**28)
+FAST = TuningConfig(
+    max_samples=12, sampling_confidence_time=3.0, min_windows=3, warmup_time=2.0, seed=7
+)
+
+
+def session(config: TuningConfig = FAST, facts=TWO_NODES, fixed=None, name="m"):
+    return TuningSession(name, facts, fixed or FixedKnobs(), config)
+
+
+def window(s: TuningSession, rate: float, seconds: float = 1.0, train_iter: int = 0):
+    """One report window of the current group at ``rate`` iterations per second."""
+    iterations = max(1, round(rate * seconds))
+    return s.report(Report(s.view.current.id, train_iter, iterations, iterations / rate))
+
+
+def peaked(hp: Hyperparameters) -> float:
+    """Throughput peaking at bucket 2^24, flat; hierarchical 10% slower."""
+    shape = 1000.0 * math.exp(-(((hp.bucket_size_2p - 24) / 3.0) ** 2)) + 200.0
+    return shape * (0.9 if hp.is_hierarchical_reduce else 1.0)
+
+
+def run_to_completion(s: TuningSession, landscape=peaked, noise=0.0, seed=0, limit=10_000):
+    """Report ~1 s windows of the current group until the session completes; the log rows."""
+    rng = random.Random(seed)
+    records = []
+    for step in range(limit):
+        if s.view.state is State.COMPLETED:
+            return records
+        rate = landscape(s.view.current.hyperparameters) * math.exp(rng.gauss(0.0, noise))
+        records += window(s, rate, train_iter=step)[1]
+    raise AssertionError("the session did not complete")
+
+
+def test_default_group_is_handed_out_first_and_sampled_first():
+    s = session()
+    reply = s.view.reply
+    assert reply.group.id == 0
+    assert reply.group.hyperparameters == Hyperparameters(25, False)
+    assert reply.state is State.WARMUP
+    records = run_to_completion(s)
+    assert records[0].sample == 1
+    assert records[0].phase is Phase.DEFAULT
+    assert records[0].group.hyperparameters == Hyperparameters(25, False)
+    assert records[0].gain_vs_default == 0.0
+
+
+def test_warmup_ends_after_its_reported_seconds_then_default_is_scored():
+    s = session()
+    assert window(s, 100.0, seconds=1.5)[0].state is State.WARMUP
+    assert window(s, 100.0, seconds=0.4)[0].state is State.WARMUP  # 1.9 s < 2.0 s
+    reply, records = window(s, 100.0, seconds=0.2)
+    assert reply.state is State.SAMPLING and not records
+    # Warmup windows are never scored: three 1 s windows at 50/s make the default's score.
+    for _ in range(2):
+        assert window(s, 50.0)[1] == []
+    reply, records = window(s, 50.0)
+    assert [r.sample for r in records] == [1]
+    assert records[0].score == pytest.approx(50.0)
+    assert records[0].windows == 3 and records[0].seconds == pytest.approx(3.0)
+    assert reply.group.id == 1 and reply.state is State.SAMPLING
+    assert s.view.default_score == pytest.approx(50.0)
+
+
+def test_a_sample_needs_both_its_time_and_its_windows():
+    s = session(TuningConfig(sampling_confidence_time=2.0, min_windows=3, warmup_time=0, seed=1))
+    window(s, 10.0)  # discarded: first window after registration
+    assert window(s, 10.0, seconds=5.0)[1] == []  # time reached, one window
+    assert window(s, 10.0)[1] == []  # two windows
+    assert len(window(s, 10.0)[1]) == 1
+
+
+def test_first_window_after_a_switch_is_discarded():
+    s = session(TuningConfig(sampling_confidence_time=3.0, warmup_time=0, seed=1))
+    for _ in range(4):
+        window(s, 100.0)
+    assert s.view.samples == 1 and s.view.current.id == 1
+    window(s, 1.0)  # the switch's cost: discarded, or the next score would be ruined
+    for _ in range(2):
+        window(s, 80.0)
+    records = window(s, 80.0)[1]
+    assert records[0].score == pytest.approx(80.0)
+    assert records[0].windows == 3
+
+
+def test_robust_score_ignores_an_outlier_window():
+    s = session(TuningConfig(sampling_confidence_time=5.0, warmup_time=0, seed=1))
+    window(s, 100.0)  # discarded
+    rates = [100.0, 101.0, 5000.0, 99.0, 100.0]  # one absurdly lucky window
+    records = []
+    for rate in rates:
+        records += window(s, rate)[1]
+    assert records[0].score == pytest.approx(100.0, rel=0.01)  # the mean would be 1080
+
+
+def test_robust_score_ignores_a_stalled_window():
+    s = session(TuningConfig(sampling_confidence_time=3.0, warmup_time=0, seed=1))
+    window(s, 100.0)
+    records = []
+    for rate in (100.0, 2.0, 100.0):  # a data-loader stall in the middle
+        records += window(s, rate)[1]
+    assert records[0].score == pytest.approx(100.0)
+
+
+def test_stale_group_report_is_refused_with_the_current_group_and_counted():
+    s = session()
+    with pytest.raises(StaleGroupError) as info:
+        s.report(Report(group_id=5, train_iter=1, iterations=10, seconds=1.0))
+    assert info.value.reply.group.id == 0
+    assert "group_id" in str(info.value)
+    assert s.stale_reports == 1
+    for _ in range(6):
+        window(s, 100.0)
+    assert s.view.current.id == 1
+    with pytest.raises(StaleGroupError):
+        s.report(Report(group_id=0, train_iter=1, iterations=10, seconds=1.0))
+    assert s.stale_reports == 2
+
+
+def test_completes_within_max_samples_and_never_changes_group_afterwards():
+    s = session(TuningConfig(max_samples=6, sampling_confidence_time=3.0, warmup_time=0, seed=3))
+    records = run_to_completion(s)
+    samples = [r for r in records if r.phase is not Phase.COMPLETED]
+    assert 1 <= len(samples) <= 6
+    assert records[-1].phase is Phase.COMPLETED
+    final = s.view
+    assert final.state is State.COMPLETED and final.samples == len(samples)
+    assert final.best is not None and final.best.group == final.current
+    for _ in range(50):
+        reply, rows = window(s, random.uniform(1.0, 1e6))
+        assert reply.group == final.current and reply.completed and rows == []
+    assert s.register().group == final.current
+
+
+def test_all_three_states_in_order():
+    s = session()
+    seen = [s.view.state]
+    while s.view.state is not State.COMPLETED:
+        window(s, peaked(s.view.current.hyperparameters))
+        if s.view.state is not seen[-1]:
+            seen.append(s.view.state)
+    assert seen == [State.WARMUP, State.SAMPLING, State.COMPLETED]
+
+
+def test_nothing_to_tune_completes_on_the_default_after_measuring_it():
+    fixed = FixedKnobs(bucket_size_2p=22)
+    s = session(facts=ONE_NODE, fixed=fixed)
+    assert s.space.tuned == ()
+    records = run_to_completion(s)
+    assert [r.phase for r in records] == [Phase.DEFAULT, Phase.COMPLETED]
+    assert s.view.best.group.hyperparameters == Hyperparameters(22, False)
+    assert s.view.best.gain_vs_default == 0.0
+    assert s.view.default_score == pytest.approx(peaked(Hyperparameters(22, False)))
+
+
+@pytest.mark.parametrize(
+    ("fixed", "tuned", "check"),
+    [
+        (
+            FixedKnobs(is_hierarchical_reduce=True),
+            ("bucket_size_2p",),
+            lambda hp: hp.is_hierarchical_reduce is True,
+        ),
+        (
+            FixedKnobs(bucket_size_2p=20),
+            ("is_hierarchical_reduce",),
+            lambda hp: hp.bucket_size_2p == 20,
+        ),
+    ],
+)
+def test_fixed_knobs_are_absent_from_the_search(fixed, tuned, check):
+    s = session(fixed=fixed)
+    assert s.space.tuned == tuned
+    records = run_to_completion(s)
+    assert all(check(r.group.hyperparameters) for r in records)
+    assert check(s.view.current.hyperparameters)
+
+
+def test_single_node_never_tries_hierarchical():
+    s = session(facts=ONE_NODE)
+    records = run_to_completion(s)
+    assert not any(r.group.hyperparameters.is_hierarchical_reduce for r in records)
+
+
+def test_finds_the_peak_of_a_noisy_landscape():
+    s = session(TuningConfig(max_samples=20, sampling_confidence_time=5.0, warmup_time=0, seed=11))
+    run_to_completion(s, noise=0.03, seed=11)
+    chosen = s.view.best.group.hyperparameters
+    assert peaked(chosen) >= 0.98 * peaked(Hyperparameters(24, False))
+    assert s.view.best.gain_vs_default > 0.0
+
+
+def test_no_group_is_measured_more_than_twice_and_a_small_space_stops_early():
+    # Only the allreduce shape is tuned: two groups. Measuring each twice is all there is.
+    s = session(TuningConfig(max_samples=20, warmup_time=0, seed=2), fixed=FixedKnobs(22))
+    records = [r for r in run_to_completion(s, noise=0.02) if r.phase is not Phase.COMPLETED]
+    counts: dict[Hyperparameters, int] = {}
+    for r in records:
+        counts[r.group.hyperparameters] = counts.get(r.group.hyperparameters, 0) + 1
+    assert set(counts) == {Hyperparameters(22, False), Hyperparameters(22, True)}
+    assert max(counts.values()) <= 2
+    assert len(records) < 20
+
+
+def test_the_chosen_group_was_measured_at_least_twice():
+    s = session(TuningConfig(max_samples=15, warmup_time=0, seed=5))
+    records = run_to_completion(s, noise=0.03, seed=5)
+    chosen = s.view.best.group.hyperparameters
+    assert sum(r.group.hyperparameters == chosen for r in records[:-1]) >= 2
+
+
+def test_a_lucky_sample_does_not_win_without_confirmation():
+    """The fifth sampled group (the first the GP picks) measures 8% above the true peak the
+    first time (a quiet network, say): it is re-measured before it can be chosen, and loses
+    once its samples are pooled."""
+    peak = peaked(Hyperparameters(24, False))
+    s = session(TuningConfig(max_samples=20, warmup_time=0, seed=5))
+    while s.view.state is not State.COMPLETED:
+        hp = s.view.current.hyperparameters
+        window(s, 1.08 * peak if s.view.samples == 4 else peaked(hp))
+    lucky = s.view.records[4]
+    assert lucky.score == pytest.approx(1.08 * peak)
+    assert peaked(lucky.group.hyperparameters) < 0.9 * peak
+    confirmations = [
+        r for r in s.view.records[5:] if r.group.hyperparameters == lucky.group.hyperparameters
+    ]
+    assert confirmations and confirmations[0].phase is Phase.CONFIRM
+    assert peaked(s.view.best.group.hyperparameters) >= 0.98 * peak
+
+
+def test_reregistration_resumes_and_discards_the_next_window():
+    s = session(TuningConfig(sampling_confidence_time=3.0, warmup_time=0, seed=1))
+    for _ in range(3):
+        window(s, 100.0)  # one discarded, two scored
+    reply = s.register()
+    assert reply.group.id == 0 and reply.state is State.SAMPLING
+    window(s, 1.0)  # discarded: the restart's cost
+    records = window(s, 100.0)[1]
+    assert records[0].score == pytest.approx(100.0) and records[0].windows == 3
+
+
+def test_samples_must_be_given_in_every_report_or_none():
+    s = session(TuningConfig(warmup_time=0, seed=1))
+    s.report(Report(0, 1, 10, 1.0, samples=320))
+    s.report(Report(0, 2, 10, 1.0, samples=320))  # scored in samples per second
+    with pytest.raises(RequestError) as info:
+        s.report(Report(0, 3, 10, 1.0))
+    assert info.value.field == "samples"
+
+
+def test_samples_make_the_score_samples_per_second():
+    s = session(TuningConfig(sampling_confidence_time=3.0, warmup_time=0, seed=1))
+    records = []
+    for step in range(4):
+        records += s.report(Report(0, step, 10, 1.0, samples=320))[1]
+    assert records[0].score == pytest.approx(320.0)
+
+
+def test_a_seed_makes_a_session_reproducible():
+    config = TuningConfig(warmup_time=0, seed=4, optimizer=OptimizerSettings(initial_design="lhs"))
+    runs = [run_to_completion(session(config), noise=0.03) for _ in range(2)]
+    assert [r.group for r in runs[0]] == [r.group for r in runs[1]]
