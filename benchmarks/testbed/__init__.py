@@ -9,7 +9,7 @@ Command line: ``python -m benchmarks.testbed --help``. Python::
                               nproc_per_node=2, output_dir=Path("out"), timeout=300)
 """
 
-from benchmarks.testbed.distune_job import distune_run_argv, run_distune
+from benchmarks.testbed.distune_job import DISTUNE_RUN, TORCHRUN, launcher_argv, run_distune
 from benchmarks.testbed.errors import TestbedError, TestbedInterrupted, TestbedUnavailable
 from benchmarks.testbed.network import (
     ETC_NETNS,
@@ -26,8 +26,10 @@ from benchmarks.testbed.prerequisites import missing_prerequisites, require_prer
 from benchmarks.testbed.rate import LinkRate
 
 __all__ = [
+    "DISTUNE_RUN",
     "ETC_NETNS",
     "MASTER_PORT",
+    "TORCHRUN",
     "LinkCounters",
     "LinkRate",
     "Node",
@@ -37,7 +39,7 @@ __all__ = [
     "TestbedError",
     "TestbedInterrupted",
     "TestbedUnavailable",
-    "distune_run_argv",
+    "launcher_argv",
     "missing_prerequisites",
     "remove_stale_testbeds",
     "require_prerequisites",

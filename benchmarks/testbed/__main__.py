@@ -2,8 +2,9 @@
 
 Commands:
 
-* ``run``: ``distune-run`` on every node (static rendezvous at node 0); the arguments after
-  ``--`` are distune-run's (flags, then the training script and its arguments).
+* ``run``: ``distune-run`` (or, with ``--launcher torchrun``, plain torchrun) on every node,
+  static rendezvous at node 0; the arguments after ``--`` are the launcher's (flags, then the
+  training script and its arguments).
 * ``exec``: any command on every node, one process per node; ``RANK``, ``WORLD_SIZE``,
   ``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK``, ``NNODES`` and ``GLOO_SOCKET_IFNAME`` are set,
   so a plain ``torch.distributed`` script with ``init_process_group("gloo")`` just works.
@@ -22,7 +23,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.testbed.distune_job import run_distune
+from benchmarks.testbed.distune_job import DISTUNE_RUN, TORCHRUN, run_distune
 from benchmarks.testbed.errors import TestbedError, TestbedInterrupted, TestbedUnavailable
 from benchmarks.testbed.network import (
     DEFAULT_BURST_BYTES,
@@ -88,6 +89,12 @@ def _parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", parents=[jobs], help="distune-run on every node")
     run.add_argument(
+        "--launcher",
+        choices=("distune-run", "torchrun"),
+        default="distune-run",
+        help="torchrun: plain torchrun instead of distune-run, for a baseline",
+    )
+    run.add_argument(
         "--nproc-per-node",
         "--nproc_per_node",
         type=int,
@@ -129,7 +136,10 @@ def _run_job(args: argparse.Namespace) -> int:
     ) as bed:
         print(bed.describe(), flush=True)
         if args.command == "run":
-            results = run_distune(bed, job, nproc_per_node=args.nproc_per_node, **options)
+            launcher = TORCHRUN if args.launcher == "torchrun" else DISTUNE_RUN
+            results = run_distune(
+                bed, job, nproc_per_node=args.nproc_per_node, launcher=launcher, **options
+            )
         else:
             results = run_on_nodes(bed.nodes, lambda node: job, **options)
     _report(results, args.quiet)

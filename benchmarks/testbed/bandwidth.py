@@ -34,7 +34,8 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks.testbed.network import DEFAULT_BURST_BYTES, MASTER_PORT, Node, Testbed
+from benchmarks.testbed.distune_job import TORCHRUN, launcher_argv
+from benchmarks.testbed.network import DEFAULT_BURST_BYTES, Node, Testbed
 from benchmarks.testbed.node_jobs import run_on_nodes
 from benchmarks.testbed.rate import LinkRate, rate_argument
 
@@ -118,18 +119,12 @@ def _gbit(bytes_per_second: float) -> float:
 
 def _worker_command(node: Node, args: argparse.Namespace) -> list[str]:
     worker = [
-        "benchmarks.testbed.bandwidth", "--worker", "--size-mib", str(args.size_mib),
+        "-m", "benchmarks.testbed.bandwidth", "--worker", "--size-mib", str(args.size_mib),
         "--seconds", str(args.seconds), "--repeats", str(args.repeats),
     ]  # fmt: skip
     if args.nproc_per_node == 1:
-        return [sys.executable, "-m", *worker]
-    return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", str(node.nnodes), "--node_rank", str(node.rank),
-        "--nproc_per_node", str(args.nproc_per_node), "--rdzv_backend", "static",
-        "--master_addr", node.master_address, "--master_port", str(MASTER_PORT),
-        "-m", *worker,
-    ]  # fmt: skip
+        return [sys.executable, *worker]
+    return launcher_argv(node, args.nproc_per_node, worker, launcher=TORCHRUN)
 
 
 def measure(rate: LinkRate | None, args: argparse.Namespace) -> dict:

@@ -1,4 +1,8 @@
-"""``distune-run`` on every node of a testbed: one multi-node job with static rendezvous."""
+"""``distune-run`` (or plain torchrun, as a baseline) on every node of a testbed.
+
+Every node runs the launcher with static rendezvous at node 0, so the launchers form one
+multi-node job over the shaped links.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,9 @@ from pathlib import Path
 from benchmarks.testbed.network import MASTER_PORT, Node, Testbed
 from benchmarks.testbed.node_jobs import NodeResult, run_on_nodes
 
+#: The launchers, as ``python -m`` modules.
+DISTUNE_RUN = "distune.run"
+TORCHRUN = "torch.distributed.run"
 #: Flags the testbed sets for every node; the job's own arguments may not repeat them.
 _TESTBED_FLAGS = (
     "nnodes",
@@ -24,8 +31,15 @@ _TESTBED_FLAGS = (
 _TOKEN = "DISTUNE_SERVICE_TOKEN"
 
 
-def distune_run_argv(node: Node, nproc_per_node: int, args: Sequence[str]) -> list[str]:
-    """The ``distune-run`` command line of ``node``: the testbed's flags, then ``args``."""
+def launcher_argv(
+    node: Node, nproc_per_node: int, args: Sequence[str], *, launcher: str = DISTUNE_RUN
+) -> list[str]:
+    """``node``'s launcher command line: the testbed's rendezvous flags, then ``args``.
+
+    ``args`` are the launcher's other flags, then the training script and its arguments.
+    """
+    if nproc_per_node < 1:
+        raise ValueError(f"nproc_per_node must be at least 1, got {nproc_per_node}")
     for arg in args:
         if arg.endswith(".py") or arg in ("-m", "--module"):
             break  # the training script: what follows is its own
@@ -33,7 +47,7 @@ def distune_run_argv(node: Node, nproc_per_node: int, args: Sequence[str]) -> li
         if arg.startswith("--") and flag in _TESTBED_FLAGS:
             raise ValueError(f"the testbed sets {arg.split('=', 1)[0]} itself: leave it out")
     return [
-        sys.executable, "-m", "distune.run",
+        sys.executable, "-m", launcher,
         "--nnodes", str(node.nnodes), "--node_rank", str(node.rank),
         "--nproc_per_node", str(nproc_per_node),
         "--rdzv_backend", "static",
@@ -51,19 +65,19 @@ def run_distune(
     timeout: float,
     env: Mapping[str, str] | None = None,
     echo: bool = False,
+    launcher: str = DISTUNE_RUN,
 ) -> list[NodeResult]:
     """Run ``distune-run <testbed flags> ARGS`` on every node of ``bed``; one result per node.
 
-    Multi-node tuning needs the same ``DISTUNE_SERVICE_TOKEN`` on every node: the one in
-    ``env`` or this process's environment, else a fresh random one for this job.
+    ``launcher=TORCHRUN`` runs plain torchrun instead (a baseline). Multi-node tuning needs the
+    same ``DISTUNE_SERVICE_TOKEN`` on every node: the one in ``env`` or this process's
+    environment, else a fresh random one for this job.
     """
-    if nproc_per_node < 1:
-        raise ValueError(f"nproc_per_node must be at least 1, got {nproc_per_node}")
     environment = dict(env or {})
     environment.setdefault(_TOKEN, os.environ.get(_TOKEN) or secrets.token_urlsafe(24))
     return run_on_nodes(
         bed.nodes,
-        lambda node: distune_run_argv(node, nproc_per_node, args),
+        lambda node: launcher_argv(node, nproc_per_node, args, launcher=launcher),
         output_dir=output_dir,
         timeout=timeout,
         env=environment,

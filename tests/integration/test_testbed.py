@@ -19,18 +19,23 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.testbed import (  # noqa: E402
     ETC_NETNS,
+    LinkRate,
+    Node,
     Testbed,
     TestbedError,
+    launcher_argv,
     missing_prerequisites,
     remove_stale_testbeds,
     require_prerequisites,
     run_on_nodes,
 )
+from benchmarks.testbed.iproute import IpRoute  # noqa: E402
+from benchmarks.testbed.lower_bound import busiest_link_bytes, step_lower_bound  # noqa: E402
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(bool(missing_prerequisites()), reason="; ".join(missing_prerequisites())),
-]
+#: Tests that build testbeds need root and iproute2 (they are also slow: they start processes).
+needs_testbed = pytest.mark.skipif(
+    bool(missing_prerequisites()), reason="; ".join(missing_prerequisites())
+)
 
 GLOO_JOB = textwrap.dedent(
     """
@@ -84,6 +89,8 @@ def wait_for(condition, timeout: float) -> bool:
     return True
 
 
+@pytest.mark.slow
+@needs_testbed
 @pytest.mark.timeout(60)
 def test_two_shaped_nodes_run_a_gloo_job_over_their_link_and_vanish(tmp_path):
     script = tmp_path / "gloo_job.py"
@@ -131,6 +138,8 @@ def test_two_shaped_nodes_run_a_gloo_job_over_their_link_and_vanish(tmp_path):
     assert not any(alive(pid) for output in outputs for pid in pids_in(output))
 
 
+@pytest.mark.slow
+@needs_testbed
 @pytest.mark.timeout(60)
 def test_a_failing_node_stops_its_stuck_peer_and_an_error_still_tears_down(tmp_path):
     script = tmp_path / "gloo_job.py"
@@ -155,6 +164,8 @@ def test_a_failing_node_stops_its_stuck_peer_and_an_error_still_tears_down(tmp_p
     assert not any(alive(pid) for pid in pids)
 
 
+@pytest.mark.slow
+@needs_testbed
 @pytest.mark.timeout(30)
 def test_a_bridged_testbed_shapes_every_port_and_stops_jobs_at_their_timeout(tmp_path):
     with Testbed(nodes=3, rate="100mbit") as bed:
@@ -177,6 +188,8 @@ def test_a_bridged_testbed_shapes_every_port_and_stops_jobs_at_their_timeout(tmp
     assert namespaces_of(name) == []
 
 
+@pytest.mark.slow
+@needs_testbed
 @pytest.mark.timeout(60)
 def test_sigterm_to_the_command_tears_down_a_bridged_testbed_and_stale_ones_are_removed(tmp_path):
     def start(seconds: int) -> subprocess.Popen:
@@ -220,6 +233,8 @@ def test_sigterm_to_the_command_tears_down_a_bridged_testbed_and_stale_ones_are_
     assert wait_for(lambda: not any(alive(pid) for pid in orphans), 5)
 
 
+@pytest.mark.slow
+@needs_testbed  # as root, so that it can drop root
 def test_without_root_the_command_says_so_and_fails():
     setpriv = shutil.which("setpriv")
     if setpriv is None:
@@ -232,3 +247,85 @@ def test_without_root_the_command_says_so_and_fails():
     )  # fmt: skip
     assert done.returncode == 3
     assert "needs root" in done.stderr and "sudo" in done.stderr
+
+
+# --- the parts that need no testbed -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "bits"),
+    [("1gbit", 10**9), ("2.5Gbit", 25 * 10**8), ("500mbit", 5 * 10**8), ("100000bit", 10**5)],
+)
+def test_rates_read_as_tc_writes_them(text, bits):
+    rate = LinkRate.parse(text)
+    assert rate.bits_per_second == bits
+    assert LinkRate.parse(str(rate)) == rate
+
+
+@pytest.mark.parametrize("text", ["2gbps", "fast", "", "-1gbit", "1 gigabit"])
+def test_a_bad_rate_names_the_units_allowed(text):
+    with pytest.raises(ValueError, match="kbit, mbit, gbit"):
+        LinkRate.parse(text)
+
+
+def test_payload_rate_leaves_out_frame_headers():
+    # 9000-byte IP packets carry 8948 payload bytes in 9014-byte frames.
+    assert LinkRate.parse("1gbit").payload_bytes_per_second(9000) == pytest.approx(
+        125e6 * 8948 / 9014
+    )
+
+
+@pytest.mark.parametrize(
+    ("nodes", "per_node", "shape", "share"),
+    [
+        (2, 1, "flat", 1.0),  # 2 (n-1)/n, n = 2
+        (2, 2, "flat", 1.5),  # n = 4: the ring edge between the nodes carries 2 * 3/4
+        (2, 2, "hierarchical", 1.0),  # only the 2 leaders' ring crosses
+        (4, 8, "flat", 2 * 31 / 32),
+        (4, 8, "hierarchical", 1.5),
+        (1, 8, "flat", 0.0),  # one node: nothing crosses a link
+    ],
+)
+def test_busiest_link_bytes_follow_the_ring(nodes, per_node, shape, share):
+    assert busiest_link_bytes(1000.0, nodes, per_node, shape) == pytest.approx(1000.0 * share)
+
+
+def test_the_step_bound_is_the_larger_of_compute_and_link_time():
+    rate = LinkRate.parse("1gbit")
+    link = 2e6 / rate.payload_bytes_per_second(9000)
+    slow_link = step_lower_bound(
+        compute_seconds=link / 2, gradient_bytes=2e6, nodes=2, ranks_per_node=2, rate=rate
+    )
+    assert (slow_link.seconds, slow_link.bound_by) == (pytest.approx(link), "link")
+    fast_link = step_lower_bound(
+        compute_seconds=1.0, gradient_bytes=2e6, nodes=2, ranks_per_node=2, rate=rate, shape="flat"
+    )
+    assert (fast_link.seconds, fast_link.bound_by) == (1.0, "compute")
+    with pytest.raises(ValueError, match="flat, hierarchical"):
+        busiest_link_bytes(1.0, 2, 2, "tree")
+
+
+def test_launcher_command_carries_the_rendezvous_and_refuses_to_repeat_it():
+    node = Node(1, 2, "ns", "veth1", "10.77.0.2", "10.77.0.1", IpRoute(ip="ip", tc="tc"))
+    argv = launcher_argv(node, 2, ["--autotune_level", "1", "train.py", "--nnodes", "7"])
+    assert argv[1:3] == ["-m", "distune.run"]
+    assert argv[argv.index("--node_rank") + 1] == "1"
+    assert argv[argv.index("--master_addr") + 1] == "10.77.0.1"
+    assert argv[-5:] == ["--autotune_level", "1", "train.py", "--nnodes", "7"]  # the script's own
+    for repeated in (["--nnodes", "3"], ["--master-addr=x"], ["--rdzv_backend", "c10d"]):
+        with pytest.raises(ValueError, match="the testbed sets"):
+            launcher_argv(node, 2, [*repeated, "train.py"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"nodes": 1}, "2 to 64 nodes"),
+        ({"nodes": 2, "burst_bytes": 9000}, "must exceed the largest frame"),
+        ({"nodes": 2, "rate": "fast"}, "bad link rate"),
+        ({"nodes": 5, "subnet": "10.0.0.0/30"}, "5 host addresses"),
+    ],
+)
+def test_a_bad_testbed_configuration_is_refused_before_anything_is_built(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Testbed(**kwargs)
