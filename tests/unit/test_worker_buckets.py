@@ -26,8 +26,18 @@ def test_buckets_never_exceed_the_cap_except_single_large_parameters():
         total = sum(sizes[i] for i in bucket)
         assert total <= 100 or len(bucket) == 1, (bucket, total)
     assert (4,) in buckets  # 500 bytes: alone
-    # Parameters keep the expected-ready order inside and across buckets.
-    assert [i for bucket in buckets for i in bucket] == order
+    position = {index: pos for pos, index in enumerate(order)}
+    for bucket in buckets:  # members keep the expected-ready order
+        assert [position[i] for i in bucket] == sorted(position[i] for i in bucket)
+    # Launched in the order they complete.
+    assert [position[b[-1]] for b in buckets] == sorted(position[b[-1]] for b in buckets)
+
+
+def test_small_parameters_around_large_ones_share_a_bucket():
+    # weight, bias, weight, bias of two layers, biases first as they are ready first.
+    sizes = [9000, 40, 20000, 40]
+    buckets = assign_buckets(sizes, [F32] * 4, [3, 2, 1, 0], 8192)
+    assert buckets == ((2,), (3, 1), (0,))  # not four buckets: the biases travel together
 
 
 def test_one_dtype_per_bucket_and_launch_order_is_completion_order():
@@ -50,7 +60,8 @@ def test_bad_arguments_are_refused(order, size, message):
 def test_bucket_views_are_gradient_shaped_slices_of_one_buffer():
     params = [torch.empty(3, 4), torch.empty(5), torch.empty(2, 2, dtype=torch.float32)]
     bucket = Bucket(params)
-    assert bucket.flat.numel() == 12 + 5 + 4 + 3  # gradients, then one used flag per parameter
+    # Gradients, then one used flag per parameter, padded to a multiple of 16 elements.
+    assert bucket.flat.numel() == 32  # 12 + 5 + 4 + 3 -> 32
     assert bucket.nbytes == (12 + 5 + 4) * 4
     assert bucket.flags.numel() == 3
     for view, param in zip(bucket.views, params, strict=True):

@@ -36,6 +36,9 @@ def assign_buckets(
     open_buckets: dict[Hashable, tuple[list[int], int]] = {}
     closed: list[list[int]] = []
     for index in order:
+        if sizes[index] > bucket_size:
+            closed.append([index])
+            continue
         key = keys[index]
         members, used = open_buckets.get(key, ([], 0))
         if members and used + sizes[index] > bucket_size:
@@ -67,10 +70,13 @@ class Bucket:
         first = params[0]
         numels = [p.numel() for p in params]
         total = sum(numels)
-        # Zeros, so a view handed out before any backward holds a valid (empty) gradient.
-        self.flat = torch.zeros(total + len(params), dtype=first.dtype, device=first.device)
+        # The flags' tail is padded to a multiple of 16 elements, so the allreduced length keeps
+        # the alignment gloo and NCCL reduce fastest. Zeros: a view handed out before any
+        # backward holds a valid (empty) gradient.
+        padded = -(-(total + len(params)) // 16) * 16
+        self.flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
         self.grads = self.flat[:total]
-        self.flags = self.flat[total:]
+        self.flags = self.flat[total : total + len(params)]
         self.views: list[torch.Tensor] = []
         offset = 0
         for param, numel in zip(params, numels, strict=True):

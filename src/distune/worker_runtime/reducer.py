@@ -228,6 +228,7 @@ class Reducer:
         self._next_bucket = 0
         self._handles: list[Any] = []
         self._absent: dict[int, list[int]] = {}  # bucket -> slots whose .grad was None
+        self._divided = [False] * len(self._params)  # already divided by the world size
         self._ready_order: list[int] = []
         self._stream: Any = None
 
@@ -256,18 +257,34 @@ class Reducer:
                     f"parameter {self._names[index]!r} received its gradient twice in one "
                     "backward (reentrant activation checkpointing is not supported)"
                 )
-            param, view = self._params[index], self._views[index]
-            grad = param.grad
-            if grad.is_sparse:
+            if self._params[index].grad.is_sparse:
                 raise ReductionError(
                     f"parameter {self._names[index]!r} has a sparse gradient; distune averages "
                     "dense gradients only (use a dense embedding)"
                 )
-            if grad is not view:
-                if not _same_storage(grad, view):
-                    view.copy_(grad)
-                param.grad = view
+            self._into_bucket(index)
             self._mark_ready(index)
+
+    def _into_bucket(self, index: int) -> None:
+        """Make ``.grad`` the bucket view, holding the gradient (zeros if it is ``None``)."""
+        param, view = self._params[index], self._views[index]
+        grad = param.grad
+        slot = self._slots[index]
+        if grad is None:
+            view.zero_()
+            self._absent.setdefault(slot.bucket, []).append(slot.index)
+            self._divided[index] = True
+            return
+        if grad is not view and not _same_storage(grad, view):
+            # Autograd made a new tensor (.grad was None: zero_grad(set_to_none=True)): copy
+            # and divide in one pass, as torch DDP does, instead of a copy then a division.
+            if self._world_size > 1:
+                torch.div(grad, self._world_size, out=view)
+                self._divided[index] = True
+            else:
+                view.copy_(grad)
+        if grad is not view:
+            param.grad = view
 
     def _begin_backward(self) -> None:
         self._active = True
@@ -291,7 +308,14 @@ class Reducer:
         bucket.flags.fill_(1)
         for k in self._absent.get(b, ()):
             bucket.flags[k] = 0
-        bucket.grads.div_(self._world_size)
+        if self._world_size > 1:
+            members = self._members[b]
+            undivided = [k for k, i in enumerate(members) if not self._divided[i]]
+            if len(undivided) == len(members):
+                bucket.grads.div_(self._world_size)  # one pass over the whole bucket
+            else:
+                for k in undivided:
+                    bucket.views[k].div_(self._world_size)
         self._handles.append(self._strategy.start(bucket))
 
     def _end_backward(self) -> None:
@@ -315,16 +339,7 @@ class Reducer:
         for index in range(len(self._params)):
             if self._ready[index]:
                 continue
-            param, view = self._params[index], self._views[index]
-            grad = param.grad
-            if grad is None:
-                view.zero_()
-                slot = self._slots[index]
-                self._absent.setdefault(slot.bucket, []).append(slot.index)
-            elif grad is not view:
-                if not _same_storage(grad, view):
-                    view.copy_(grad)
-                param.grad = view
+            self._into_bucket(index)
             self._mark_ready(index)
         self._strategy.finish(self._handles)
         for b, slots in self._absent.items():

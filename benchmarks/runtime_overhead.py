@@ -1,0 +1,152 @@
+"""Step time of distune's DistributedDataParallel vs torch's, at the same bucket size.
+
+Two ranks (gloo, one process per rank on this machine) train three copies of the same MLP
+(~15M parameters) in one run: compute only (no communication: the floor), torch's
+``DistributedDataParallel`` and distune's, both with buckets of ``--bucket-size`` bytes. The
+variants are interleaved step by step (round r runs one step of each, in an order rotating with
+r), so whatever else loads the machine hits all of them alike; the figures that matter are the
+ratios: of the medians, and the median of the per-round ratios distune/torch.
+
+    .venv/bin/python benchmarks/runtime_overhead.py             # prints a JSON summary
+    .venv/bin/python benchmarks/runtime_overhead.py --rounds 200 --output result.json
+
+A step is ``zero_grad``, forward, backward (gradients averaged), ``optimizer.step()`` (SGD).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import time
+from datetime import date, timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import distune
+
+VARIANTS = ("compute", "torch", "distune")
+
+
+def mlp(width: int) -> nn.Module:
+    """1024 -> width -> width -> width -> 1024; width 2304 gives 15.3M parameters."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(1024, width),
+        nn.ReLU(),
+        nn.Linear(width, width),
+        nn.ReLU(),
+        nn.Linear(width, width),
+        nn.ReLU(),
+        nn.Linear(width, 1024),
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _rank_main(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(args.threads)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=args.nproc, timeout=timedelta(seconds=120)
+    )
+    models = {
+        "compute": mlp(args.width),
+        "torch": nn.parallel.DistributedDataParallel(
+            mlp(args.width), bucket_cap_mb=args.bucket_size / 2**20
+        ),
+        "distune": distune.DistributedDataParallel(mlp(args.width), bucket_size=args.bucket_size),
+    }
+    optimizers = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in models.items()}
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, 1024, generator=generator)
+    y = torch.randn(args.batch, 1024, generator=generator)
+    times: dict[str, list[float]] = {k: [] for k in VARIANTS}
+    for round_ in range(args.warmup + args.rounds):
+        order = VARIANTS[round_ % 3 :] + VARIANTS[: round_ % 3]
+        for name in order:
+            model, optimizer = models[name], optimizers[name]
+            dist.barrier()  # both ranks start each step together, compute-only included
+            started = time.perf_counter()
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            if round_ >= args.warmup:  # warm-up: first-iteration bucket rebuilds, allocator
+                times[name].append(time.perf_counter() - started)
+    parameters = sum(p.numel() for p in models["compute"].parameters())
+    buckets = len(models["distune"]._reducer.bucket_sizes)
+    dist.destroy_process_group()
+    if rank == 0:
+        queue.put({"times": times, "parameters": parameters, "distune_buckets": buckets})
+
+
+def summarize(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Medians per variant and the ratios that BENCHMARKS.md records."""
+    times = raw["times"]
+    medians = {k: statistics.median(times[k]) for k in VARIANTS}
+    paired = [ours / theirs for ours, theirs in zip(times["distune"], times["torch"], strict=True)]
+    quartiles = statistics.quantiles(paired, n=4)
+    return {
+        "date": date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+        "torch": torch.__version__,
+        "ranks": args.nproc,
+        "threads_per_rank": args.threads,
+        "parameters": raw["parameters"],
+        "batch": args.batch,
+        "bucket_size": args.bucket_size,
+        "distune_buckets": raw["distune_buckets"],
+        "steps_per_variant": args.rounds,
+        "median_step_ms": {k: round(1000 * v, 2) for k, v in medians.items()},
+        "ratio_distune_vs_torch": round(medians["distune"] / medians["torch"], 3),
+        "ratio_per_round": {
+            "median": round(statistics.median(paired), 3),
+            "q1": round(quartiles[0], 3),
+            "q3": round(quartiles[2], 3),
+        },
+        "communication_ms": {
+            k: round(1000 * (medians[k] - medians["compute"]), 2) for k in ("torch", "distune")
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--width", type=int, default=2304, help="hidden width (15.3M params)")
+    parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
+    parser.add_argument(
+        "--bucket-size", type=int, default=2**25, help="bytes, a power of two (default 2^25)"
+    )
+    parser.add_argument("--rounds", type=int, default=100, help="measured steps per variant")
+    parser.add_argument("--warmup", type=int, default=5, help="unmeasured rounds first")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--output", help="also write the JSON summary here")
+    args = parser.parse_args(argv)
+    if args.bucket_size & (args.bucket_size - 1):
+        parser.error("--bucket-size must be a power of two, so both engines use the same size")
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    mp.spawn(_rank_main, args=(args, _free_port(), queue), nprocs=args.nproc)
+    summary = summarize(queue.get(), args)
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as out:
+            out.write(text + "\n")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
