@@ -44,7 +44,7 @@ from typing import Any
 from benchmarks.testbed.errors import TestbedError, TestbedInterrupted
 from benchmarks.testbed.iproute import IpRoute
 from benchmarks.testbed.prerequisites import require_prerequisites
-from benchmarks.testbed.rate import LinkRate
+from benchmarks.testbed.rate import ETHERNET_HEADER_BYTES, LinkRate
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,6 @@ DEFAULT_MTU = 9000
 DEFAULT_BURST_BYTES = 256 * 1024
 DEFAULT_LATENCY_MS = 200
 MAX_NODES = 64
-_ETHERNET_HEADER = 14
 #: How long processes get to exit on SIGTERM before SIGKILL, and links to come up.
 _GRACE_SECONDS = 3.0
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -174,10 +173,10 @@ class Testbed:
             raise ValueError(f"a testbed has 2 to {MAX_NODES} nodes, got {nodes}")
         if not 576 <= mtu <= 65535:
             raise ValueError(f"mtu must be 576 to 65535 bytes, got {mtu}")
-        if burst_bytes <= mtu + _ETHERNET_HEADER:
+        if burst_bytes <= mtu + ETHERNET_HEADER_BYTES:
             raise ValueError(
-                f"burst_bytes must exceed the largest frame, mtu + {_ETHERNET_HEADER} = "
-                f"{mtu + _ETHERNET_HEADER} bytes, got {burst_bytes} (tbf drops bigger frames)"
+                f"burst_bytes must exceed the largest frame, mtu + {ETHERNET_HEADER_BYTES} = "
+                f"{mtu + ETHERNET_HEADER_BYTES} bytes, got {burst_bytes} (tbf drops bigger frames)"
             )
         if latency_ms <= 0:
             raise ValueError(f"latency_ms must be positive, got {latency_ms}")
@@ -233,6 +232,8 @@ class Testbed:
         return f"testbed {self.name}: {addresses}; {shape}, MTU {self.mtu}, {rate}"
 
     def __enter__(self) -> Testbed:
+        if self._iproute is not None:
+            raise TestbedError(f"testbed {self.name} is already up")
         iproute = require_prerequisites()
         remove_stale_testbeds(iproute)
         self._iproute = iproute

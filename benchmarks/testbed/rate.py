@@ -11,7 +11,7 @@ _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 #: TCP/IPv4 headers with timestamps (20 + 20 + 12) ride inside the MTU, the Ethernet header (14)
 #: outside it; tbf counts whole frames, header included.
 _TCP_IP_HEADERS = 52
-_ETHERNET_HEADER = 14
+ETHERNET_HEADER_BYTES = 14
 _RATE = re.compile(r"^\s*(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[a-z]+)\s*$", re.IGNORECASE)
 
 
@@ -44,7 +44,7 @@ class LinkRate:
 
     def payload_bytes_per_second(self, mtu: int) -> float:
         """TCP payload bytes per second of a stream of full-size frames: the usable rate."""
-        return self.bytes_per_second * (mtu - _TCP_IP_HEADERS) / (mtu + _ETHERNET_HEADER)
+        return self.bytes_per_second * (mtu - _TCP_IP_HEADERS) / (mtu + ETHERNET_HEADER_BYTES)
 
     @property
     def tc_argument(self) -> str:
