@@ -9,7 +9,8 @@ Commands:
   ``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK``, ``NNODES`` and ``GLOO_SOCKET_IFNAME`` are set,
   so a plain ``torch.distributed`` script with ``init_process_group("gloo")`` just works.
 * ``cleanup``: delete testbeds whose owner process is gone.
-* ``check``: say whether this machine can host a testbed.
+* ``check``: say whether this machine can host a testbed (root, iproute2, and a trial
+  3-node shaped testbed for the kernel's veth, bridge and tbf).
 
 Exit codes: 0 every node succeeded; 1 a node failed; 2 bad arguments; 3 this machine cannot
 host a testbed (not root, iproute2 missing); 128 + N when signal N interrupted it.
@@ -146,14 +147,27 @@ def _run_job(args: argparse.Namespace) -> int:
     return 0 if all(result.ok for result in results) else _FAILED
 
 
+def _check() -> int:
+    missing = missing_prerequisites()
+    if missing:
+        print("\n".join(missing), file=sys.stderr)
+        return _UNAVAILABLE
+    try:  # the kernel's side: veth, bridge and tbf, by building a small testbed
+        with Testbed(3, "1gbit"):
+            pass
+    except TestbedError as error:
+        print(f"cannot build a testbed: {error}", file=sys.stderr)
+        return _UNAVAILABLE
+    print("this machine can host a testbed (3 shaped nodes came up and went)")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command of the CLI; returns the exit code."""
     args = _parser().parse_args(argv)
     try:
         if args.command == "check":
-            missing = missing_prerequisites()
-            print("\n".join(missing) if missing else "this machine can host a testbed")
-            return _UNAVAILABLE if missing else 0
+            return _check()
         if args.command == "cleanup":
             removed = remove_stale_testbeds(require_prerequisites())
             print(f"removed {len(removed)} stale testbed(s)" + "".join(f"\n  {n}" for n in removed))
