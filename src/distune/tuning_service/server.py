@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
 
     def option(*names: str, **kwargs: object) -> None:
         # Both --a-b and --a_b spellings, as the launcher (and torchrun) accept.
-        spellings = [*names, *(n.replace("-", "_") for n in names if "-" in n[2:])]
+        spellings = [*names, *("--" + n[2:].replace("-", "_") for n in names if "-" in n[2:])]
         parser.add_argument(*spellings, **kwargs)  # type: ignore[arg-type]
 
     option("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         # each; a launcher could reach only one of them.
         server.close()
         parser.error(f"--host must name a single address, got {args.host!r}; give an IP address")
-    host, port = server.effective_host, server.effective_port
+    host, port = str(server.effective_host), int(server.effective_port)
     url_host = f"[{host}]" if ":" in str(host) else host
     announcement = {
         "event": "listening",

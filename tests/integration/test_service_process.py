@@ -1,0 +1,155 @@
+"""The tuning service as a real process: started on a free port, driven over HTTP."""
+
+import csv
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import pytest
+import requests
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "integration-token"
+PEAK = {"bucket_size_2p": 24, "is_hierarchical_reduce": False}
+
+
+def true_throughput(hp):
+    """Iterations per second, peaking at bucket 2^24 flat; hierarchical 6% slower, shifted."""
+    x = hp["bucket_size_2p"] - (1 if hp["is_hierarchical_reduce"] else 0)
+    shape = 50.0 + 150.0 * math.exp(-(((x - 24) / 3.5) ** 2))
+    return shape * (0.94 if hp["is_hierarchical_reduce"] else 1.0)
+
+
+class Service:
+    """``python -m distune.tuning_service`` in a child process; stopped by the fixture."""
+
+    def __init__(self, *args, token=TOKEN):
+        env = {**os.environ, "DISTUNE_SERVICE_TOKEN": token}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "distune.tuning_service", "--port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        line = self.process.stdout.readline()  # bounded by the test's timeout
+        self.announcement = json.loads(line)
+        self.url = self.announcement["url"]
+        self.session = requests.Session()
+        self.session.headers["Authorization"] = f"Bearer {token}"
+
+    def get(self, path):
+        return self.session.get(self.url + path, timeout=10)
+
+    def post(self, path, body):
+        return self.session.post(self.url + path, json=body, timeout=10)
+
+    def stop(self, sig=signal.SIGTERM):
+        """Send ``sig``; the exit code. The rest of stdout and stderr land in ``self.output``."""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            self.output = self.process.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.output = self.process.communicate()
+        return self.process.returncode
+
+
+@pytest.fixture
+def start_service():
+    services = []
+
+    def start(*args, **kwargs):
+        services.append(Service(*args, **kwargs))
+        return services[-1]
+
+    yield start
+    for service in services:
+        if service.process.returncode is None:
+            service.stop()
+
+
+def synthetic_client(service, name, seed, noise=0.03):
+    """A leader rank: registers, reports ~1 s windows of whatever group it runs, follows the
+    replies (and 409s) until the group is final. Returns the final group."""
+    rng = random.Random(seed)
+    facts = {"world_size": 8, "nnodes": 2, "local_world_size": 4, "gradient_bytes": 2**28}
+    reply = service.post(f"/api/v1/models/{name}/register", facts).json()
+    group, train_iter = reply["group"], 0
+    for _ in range(2000):
+        if reply["completed"]:
+            return group
+        rate = true_throughput(group["hyperparameters"]) * math.exp(rng.gauss(0.0, noise))
+        iterations = max(1, round(rate))
+        train_iter += iterations
+        window = {
+            "group_id": group["id"],
+            "train_iter": train_iter,
+            "iterations": iterations,
+            "seconds": iterations / rate,
+        }
+        response = service.post(f"/api/v1/models/{name}/report", window)
+        assert response.status_code in (200, 409), response.text
+        reply = response.json()
+        group = reply["group"]
+    raise AssertionError("tuning did not complete")
+
+
+@pytest.mark.timeout(120)
+def test_listens_on_a_free_port_answers_health_and_stops_cleanly(start_service, tmp_path):
+    service = start_service("--log-dir", str(tmp_path))
+    announcement = service.announcement
+    assert announcement["event"] == "listening"
+    assert announcement["host"] == "127.0.0.1" and 0 < announcement["port"] < 65536
+    assert announcement["url"] == f"http://127.0.0.1:{announcement['port']}"
+    log_file = announcement["log_file"]
+    assert os.path.dirname(log_file) == str(tmp_path)
+    health = requests.get(service.url + "/api/v1/health", timeout=10)
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert requests.get(service.url + "/api/v1/status", timeout=10).status_code == 401
+    assert service.get("/api/v1/status").json() == {"models": {}}
+    assert service.stop(signal.SIGINT) == 0
+    stdout, stderr = service.output
+    assert stdout == ""  # the one listening line, nothing else
+    assert TOKEN not in stderr
+
+
+@pytest.mark.timeout(240)
+def test_a_full_tuning_run_over_http_finds_the_peak(start_service, tmp_path):
+    best_file = tmp_path / "best.json"
+    log_file = tmp_path / "tuning.csv"
+    service = start_service(
+        "--log-file", str(log_file),
+        "--best-file", str(best_file),
+        "--warmup-time", "2",
+        "--sampling-confidence-time", "4",
+        "--max-samples", "20",
+        "--seed", "0",
+    )  # fmt: skip
+    assert service.announcement["log_file"] == str(log_file)
+    final = synthetic_client(service, "model0", seed=1)
+    peak = true_throughput(PEAK)
+    assert true_throughput(final["hyperparameters"]) >= 0.98 * peak
+
+    status = service.get("/api/v1/status").json()["models"]["model0"]
+    assert status["state"] == "completed"
+    assert status["best"]["group"] == status["current"] == final
+    assert status["best"]["gain_vs_default"] > 0.0
+    assert status["default_score"] == pytest.approx(true_throughput(
+        {"bucket_size_2p": 25, "is_hierarchical_reduce": False}), rel=0.05)  # fmt: skip
+
+    best = json.loads(best_file.read_text())
+    assert best["bucket_size"] == 2 ** final["hyperparameters"]["bucket_size_2p"]
+    assert best["autotune_result"]["models"]["model0"]["samples"] == status["samples"]
+
+    rows = list(csv.DictReader(log_file.open()))
+    assert rows[0]["phase"] == "default"
+    assert rows[-1]["phase"] == "completed" and len(rows) == status["samples"] + 1
+    assert service.get("/api/v1/models/model0/log").text == log_file.read_text()
+    assert service.stop() == 0
