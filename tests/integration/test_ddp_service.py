@@ -1,0 +1,153 @@
+"""Tuning from inside a 2-rank job: sync points, the leader's HTTP thread, a dead service.
+
+Every rank records, after each step, the iteration and the group in use: the ranks' records must
+be identical (all switch at the same iteration), and so must the trained parameters.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+from ddp_launch import free_port, run_job, worker_main
+from torch import nn
+
+import distune
+
+pytestmark = pytest.mark.slow
+WARNING = "tuning service at"
+
+
+def train(out: Path) -> dict:
+    """``STEPS`` steps of a small MLP, a few milliseconds each; the record of every step."""
+    steps = int(os.environ["TEST_STEPS"])
+    torch.manual_seed(0)
+    # 4 * (32*256 + 256 + 256*256 + 256 + 256*8 + 8) bytes: a space of 2^16..2^19.
+    model = distune.DistributedDataParallel(
+        nn.Sequential(
+            nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8)
+        )
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(int(os.environ["RANK"]))
+    records = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(torch.randn(16, 32, generator=generator)).pow(2).mean().backward()
+        optimizer.step()
+        hp = model.hyperparameters
+        records.append([model._reducer.iterations, hp.bucket_size_2p, hp.is_hierarchical_reduce])
+        time.sleep(0.004)  # steps of a few ms: many sync points in a couple of seconds
+    return {"records": records, "params": [p.detach().sum().item() for p in model.parameters()]}
+
+
+def assert_lockstep(results: list[dict]) -> list[list]:
+    """Identical records and parameters on every rank; returns rank 0's records."""
+    first = results[0]
+    for rank, result in enumerate(results[1:], 1):
+        assert result["records"] == first["records"], f"rank {rank} switched at other iterations"
+        assert result["params"] == first["params"], f"rank {rank} trained other parameters"
+    return first["records"]
+
+
+def switches(records: list[list]) -> list[list]:
+    return [now for before, now in itertools.pairwise(records) if now[1:] != before[1:]]
+
+
+def tuning_env(url: str, steps: int) -> dict[str, str]:
+    return {
+        "DISTUNE_AUTOTUNE_LEVEL": "1",
+        "DISTUNE_SERVICE_URL": url,
+        "DISTUNE_SYNC_INTERVAL": "0.1",
+        "TEST_STEPS": str(steps),
+    }
+
+
+def test_unreachable_service_one_warning_and_training_goes_on(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    results = run_job(__file__, "train", tmp_path, env=tuning_env(url, 300))
+    records = assert_lockstep(results)
+    assert records[-1][0] == 300 and not switches(records)
+    log = (tmp_path / "rank0.err").read_text()
+    assert log.count(WARNING) == 1, log
+    assert WARNING not in (tmp_path / "rank1.err").read_text()  # only the leader talks HTTP
+
+
+@pytest.fixture
+def service(tmp_path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A real tuning service process with short warm-up and sampling times."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distune.tuning_service", "--host", "127.0.0.1", "--port", "0",
+         "--warmup-time", "0.3", "--sampling-confidence-time", "0.3", "--max-samples", "4"],
+        stdout=subprocess.PIPE,
+        stderr=open(tmp_path / "service.err", "wb"),  # noqa: SIM115 (the process keeps it)
+    )  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        assert line, f"the service printed nothing: {(tmp_path / 'service.err').read_text()}"
+        event = json.loads(line)
+        assert event["event"] == "listening"
+        yield event["url"], proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def test_a_real_service_tunes_the_job_in_lockstep(service, tmp_path):
+    url, _ = service
+    results = run_job(__file__, "train", tmp_path / "job", env=tuning_env(url, 700), timeout=120)
+    records = assert_lockstep(results)
+    status = requests.get(f"{url}/api/v1/status", timeout=5).json()["models"]["model0"]
+    assert status["samples"] >= 2, status
+    assert switches(records), "the service's groups were never applied"
+    assert (tmp_path / "job" / "rank0.err").read_text().count(WARNING) == 0
+
+
+def kill_once_sampling(url: str, proc: subprocess.Popen, deadline: float) -> None:
+    """SIGKILL the service as soon as it has finished a sample (the job is mid-tuning)."""
+    while time.monotonic() < deadline:
+        try:
+            models = requests.get(f"{url}/api/v1/status", timeout=2).json()["models"]
+            if models.get("model0", {}).get("samples", 0) >= 1:
+                proc.kill()
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.05)
+
+
+def test_training_finishes_when_the_service_is_killed_mid_run(service, tmp_path):
+    url, proc = service
+    killer = threading.Thread(target=kill_once_sampling, args=(url, proc, time.monotonic() + 60))
+    killer.start()
+    try:
+        results = run_job(
+            __file__, "train", tmp_path / "job", env=tuning_env(url, 800), timeout=120
+        )
+    finally:
+        killer.join()
+    assert proc.wait(timeout=5) == -signal.SIGKILL, "the job ended before the service was killed"
+    assert "registered" in (tmp_path / "service.err").read_text()
+    records = assert_lockstep(results)
+    assert records[-1][0] == 800
+    assert (tmp_path / "job" / "rank0.err").read_text().count(WARNING) == 1
+
+
+if __name__ == "__main__":
+    worker_main({"train": train})
