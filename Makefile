@@ -14,6 +14,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
+# The main job: the embedded MLP example on 2 CPU ranks, tuned online, in about a minute.
+run: install
+	$(VENV)/bin/distune-run --nproc_per_node 2 --autotune_level 1 \
+		--autotune_warmup_time 2 --autotune_sampling_confidence_time 2 --is_output_autotune_log \
+		examples/train_mlp.py --seconds 60
+
 lint: install
 	$(VENV)/bin/ruff check .
 
