@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import socket
 import statistics
 import time
@@ -73,22 +74,40 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, queue: Any) -> No
     x = torch.randn(args.batch, 1024, generator=generator)
     y = torch.randn(args.batch, 1024, generator=generator)
     times: dict[str, list[float]] = {k: [] for k in VARIANTS}
+    cpu_times: dict[str, list[float]] = {k: [] for k in VARIANTS}
+    faults: dict[str, list[int]] = {k: [] for k in VARIANTS}
     for round_ in range(args.warmup + args.rounds):
         order = VARIANTS[round_ % 3 :] + VARIANTS[: round_ % 3]
         for name in order:
             model, optimizer = models[name], optimizers[name]
             dist.barrier()  # both ranks start each step together, compute-only included
-            started = time.perf_counter()
+            faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            started, cpu_started = time.perf_counter(), time.process_time()
             optimizer.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
             optimizer.step()
             if round_ >= args.warmup:  # warm-up: first-iteration bucket rebuilds, allocator
                 times[name].append(time.perf_counter() - started)
+                # CPU seconds of all this rank's threads (gloo's included): the engine's work,
+                # less sensitive than wall time to what else runs on the machine.
+                cpu_times[name].append(time.process_time() - cpu_started)
+                # Pages the allocator had to fault in again: memory churn costs CPU too.
+                faults[name].append(
+                    resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
+                )
     parameters = sum(p.numel() for p in models["compute"].parameters())
     buckets = len(models["distune"]._reducer.bucket_sizes)
     dist.destroy_process_group()
     if rank == 0:
-        queue.put({"times": times, "parameters": parameters, "distune_buckets": buckets})
+        queue.put(
+            {
+                "times": times,
+                "cpu": cpu_times,
+                "faults": faults,
+                "parameters": parameters,
+                "distune_buckets": buckets,
+            }
+        )
 
 
 def summarize(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -115,6 +134,10 @@ def summarize(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             "q1": round(quartiles[0], 3),
             "q3": round(quartiles[2], 3),
         },
+        "median_step_cpu_ms": {
+            k: round(1000 * statistics.median(raw["cpu"][k]), 2) for k in VARIANTS
+        },
+        "median_minor_faults_per_step": {k: statistics.median(raw["faults"][k]) for k in VARIANTS},
         "communication_ms": {
             k: round(1000 * (medians[k] - medians["compute"]), 2) for k in ("torch", "distune")
         },
