@@ -16,6 +16,7 @@ A step is ``zero_grad``, forward, backward (gradients averaged), ``optimizer.ste
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -36,18 +37,18 @@ import distune
 VARIANTS = ("compute", "torch", "distune")
 
 
-def mlp(width: int) -> nn.Module:
-    """1024 -> width -> width -> width -> 1024; width 2304 gives 15.3M parameters."""
+def mlp(io: int, width: int, layers: int) -> nn.Module:
+    """``layers`` Linear layers io -> width -> ... -> width -> io, ReLU between them.
+
+    The default (1024, 2304, 4) has 15.3M parameters in 8 tensors; (8, 8, 40) has 80 tiny
+    parameters, which shows the per-parameter cost of the hooks.
+    """
     torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(1024, width),
-        nn.ReLU(),
-        nn.Linear(width, width),
-        nn.ReLU(),
-        nn.Linear(width, width),
-        nn.ReLU(),
-        nn.Linear(width, 1024),
-    )
+    sizes = [io] + [width] * (layers - 1) + [io]
+    modules: list[nn.Module] = []
+    for fan_in, fan_out in itertools.pairwise(sizes):
+        modules += [nn.Linear(fan_in, fan_out), nn.ReLU()]
+    return nn.Sequential(*modules[:-1])
 
 
 def _free_port() -> int:
@@ -63,16 +64,18 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, queue: Any) -> No
         "gloo", rank=rank, world_size=args.nproc, timeout=timedelta(seconds=120)
     )
     models = {
-        "compute": mlp(args.width),
+        "compute": mlp(args.io, args.width, args.layers),
         "torch": nn.parallel.DistributedDataParallel(
-            mlp(args.width), bucket_cap_mb=args.bucket_size / 2**20
+            mlp(args.io, args.width, args.layers), bucket_cap_mb=args.bucket_size / 2**20
         ),
-        "distune": distune.DistributedDataParallel(mlp(args.width), bucket_size=args.bucket_size),
+        "distune": distune.DistributedDataParallel(
+            mlp(args.io, args.width, args.layers), bucket_size=args.bucket_size
+        ),
     }
     optimizers = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in models.items()}
     generator = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch, 1024, generator=generator)
-    y = torch.randn(args.batch, 1024, generator=generator)
+    x = torch.randn(args.batch, args.io, generator=generator)
+    y = torch.randn(args.batch, args.io, generator=generator)
     times: dict[str, list[float]] = {k: [] for k in VARIANTS}
     cpu_times: dict[str, list[float]] = {k: [] for k in VARIANTS}
     faults: dict[str, list[int]] = {k: [] for k in VARIANTS}
@@ -122,6 +125,7 @@ def summarize(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "torch": torch.__version__,
         "ranks": args.nproc,
         "threads_per_rank": args.threads,
+        "model": f"MLP io={args.io} width={args.width} layers={args.layers}",
         "parameters": raw["parameters"],
         "batch": args.batch,
         "bucket_size": args.bucket_size,
@@ -147,7 +151,9 @@ def summarize(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--io", type=int, default=1024, help="input and output width")
     parser.add_argument("--width", type=int, default=2304, help="hidden width (15.3M params)")
+    parser.add_argument("--layers", type=int, default=4, help="Linear layers (default 4)")
     parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
     parser.add_argument(
         "--bucket-size", type=int, default=2**25, help="bytes, a power of two (default 2^25)"

@@ -78,9 +78,11 @@ class Bucket:
         self.grads = self.flat[:total]
         self.flags = self.flat[total : total + len(params)]
         self.views: list[torch.Tensor] = []
+        self.spans: list[tuple[int, int]] = []
         offset = 0
         for param, numel in zip(params, numels, strict=True):
             self.views.append(self.flat[offset : offset + numel].view(param.shape))
+            self.spans.append((offset, offset + numel))
             offset += numel
 
     @property
