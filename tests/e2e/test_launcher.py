@@ -55,6 +55,9 @@ def test_main_job_tunes_writes_log_and_leaves_nothing_behind(launch, tmp_path):
         rows = list(csv.reader(handle))
     assert rows[0][:4] == BAGUA_COLUMNS
     assert len(rows) - 1 >= 3, rows
+    assert "autotune mlp: warmup over, sampling up to 4 groups" in run.output
+    assert "autotune mlp sample 1/4: bucket 2^21 B (2 MiB), flat -> " in run.output
+    assert "autotune mlp: completed, chose bucket 2^" in run.output
     assert "model mlp: completed" in run.output
     assert "chosen group:  bucket 2^" in run.output
     assert f"autotune log: {log}" in run.output

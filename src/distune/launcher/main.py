@@ -20,6 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from distune.launcher.options import OptionError, parse
 from distune.launcher.plan import LaunchPlan, plan_launch
+from distune.launcher.progress import ProgressMonitor
 from distune.launcher.service_process import ServiceStartError, TuningServiceProcess
 from distune.launcher.summary import format_summary
 
@@ -59,12 +60,15 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(stop_signal, _raise_signal)
 
     service: TuningServiceProcess | None = None
+    monitor: ProgressMonitor | None = None
     try:
         if plan.starts_service:
             assert plan.token is not None
             service = TuningServiceProcess.start(list(plan.service_args), plan.token)
             plan = plan.with_service_url(service.url)
             print(f"distune: tuning service at {service.url} (pid {service.pid})", flush=True)
+            monitor = ProgressMonitor(service, quiet=options.autotune_quiet)
+            monitor.start()
         return _run_workers(args, plan)
     except ServiceStartError as error:
         print(f"distune-run: error: tuning service: {error}", file=sys.stderr)
@@ -77,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             # Cleanup is bounded in time; a second Ctrl-C must not leave the service behind.
             for stop_signal in _STOP_SIGNALS:
                 signal.signal(stop_signal, signal.SIG_IGN)
+            if monitor is not None:
+                monitor.stop()
             status = service.status()
             service.stop()
             best_file = str(options.autotune_best_file) if options.autotune_best_file else None

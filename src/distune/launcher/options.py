@@ -47,6 +47,7 @@ class AutotuneOptions:
     bucket_size: int | None = None
     hierarchical_reduce: bool | None = None
     autotune_best_file: Path | None = None
+    autotune_quiet: bool = False
 
     @property
     def writes_log(self) -> bool:
@@ -162,6 +163,7 @@ _VALIDATORS: Mapping[str, Callable[[Any], Any]] = {
     "bucket_size": _bytes,
     "hierarchical_reduce": _bool,
     "autotune_best_file": _output_path,
+    "autotune_quiet": _bool,
 }
 
 #: Keys a config file may hold besides the flags: the informational part of a best-file.
@@ -253,6 +255,15 @@ def build_parser() -> LauncherArgumentParser:
         help="YAML or JSON with the same settings (a best-file is one); flags win",
     )
     add("autotune_best_file", "write the chosen group and its gain as JSON here", "PATH")
+    group.add_argument(
+        "--autotune_quiet",
+        "--autotune-quiet",
+        dest="autotune_quiet",
+        action="store_const",
+        const=True,
+        default=None,
+        help="no progress lines while tuning (the end-of-run summary is still printed)",
+    )
     return parser
 
 

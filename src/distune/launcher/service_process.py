@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import requests
 
@@ -110,18 +111,35 @@ class TuningServiceProcess:
         """The service's process id."""
         return self._process.pid
 
+    @property
+    def returncode(self) -> int | None:
+        """The exit code once the process has ended, else None."""
+        return self._process.poll()
+
     def status(self, timeout: float = 5.0) -> dict[str, Any] | None:
         """``GET /api/v1/status``, or None if the service does not answer it."""
+        response = self._get(STATUS_PATH, timeout)
+        try:
+            return None if response is None else response.json()
+        except ValueError:
+            return None
+
+    def log(self, model: str, timeout: float = 5.0) -> str | None:
+        """``GET /api/v1/models/<model>/log`` (CSV text), or None if it does not answer."""
+        response = self._get(f"/api/v1/models/{quote(model, safe='')}/log", timeout)
+        return None if response is None else response.text
+
+    def _get(self, path: str, timeout: float) -> requests.Response | None:
         try:
             response = requests.get(
-                self.url + STATUS_PATH,
+                self.url + path,
                 headers={"Authorization": f"Bearer {self._token}"},
                 timeout=timeout,
             )
             response.raise_for_status()
-            return response.json()
-        except (requests.RequestException, ValueError):
+        except requests.RequestException:
             return None
+        return response
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """Stop the service (SIGTERM, then SIGKILL after ``timeout``); its exit code."""

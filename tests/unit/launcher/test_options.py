@@ -145,3 +145,11 @@ def test_bad_config_files_exit_2_naming_the_key(tmp_path, text, message, capsys)
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert message in err
+
+
+def test_quiet_flag_and_config_key(tmp_path):
+    assert parse(["--autotune-quiet", "t.py"])[1].autotune_quiet is True
+    assert parse(["t.py"])[1].autotune_quiet is False
+    config = tmp_path / "q.yaml"
+    config.write_text("autotune_quiet: true\n")
+    assert parse(["--autotune_config", str(config), "t.py"])[1].autotune_quiet is True

@@ -1,0 +1,160 @@
+"""The launcher's view of tuning while the job runs: progress lines, and a dead service noticed.
+
+A background thread polls the service it started (``/status``, and a model's CSV log when it
+has new samples) and prints one line per event: warmup over, each sampled group with its score
+and gain over the default, tuning completed. Workers print nothing of this, so the lines appear
+once per job whatever the number of ranks. If the service process dies, the monitor says so
+once, with the group the job keeps (training goes on without it), and stops polling.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from distune.launcher.service_process import TuningServiceProcess
+from distune.space import HyperparameterError, Hyperparameters
+
+#: Seconds between two polls of the service.
+POLL_INTERVAL = 1.0
+
+
+def _describe(group: Any) -> str:
+    try:
+        return Hyperparameters.from_dict(group["hyperparameters"]).describe()
+    except (HyperparameterError, KeyError, TypeError):
+        return "an unknown group"
+
+
+def _gain(value: Any) -> str:
+    try:
+        return f"{float(value):+.1%} vs default"
+    except (TypeError, ValueError):
+        return "gain unknown"
+
+
+@dataclass
+class _ModelProgress:
+    """What has been printed about one model so far."""
+
+    state: str = ""
+    rows_seen: int = 0
+    current: dict[str, Any] = field(default_factory=dict)
+
+
+class ProgressMonitor:
+    """Polls a started service and prints progress lines; call :meth:`start` and :meth:`stop`.
+
+    With ``quiet``, progress lines are not printed; the service's death still is, since the
+    user must learn that tuning stopped.
+    """
+
+    def __init__(
+        self,
+        service: TuningServiceProcess,
+        quiet: bool = False,
+        interval: float = POLL_INTERVAL,
+        out: TextIO | None = None,
+    ) -> None:
+        self._service = service
+        self._quiet = quiet
+        self._interval = interval
+        self._out = out
+        self._models: dict[str, _ModelProgress] = {}
+        self._service_gone = False
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="distune-progress", daemon=True)
+
+    @property
+    def service_gone(self) -> bool:
+        """Whether the service died while the job ran (reported once)."""
+        return self._service_gone
+
+    def start(self) -> None:
+        """Begin polling in the background."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop polling, after one last poll so that the final events are printed."""
+        self._stopping.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def poll(self) -> None:
+        """One round: notice a dead service, else print what changed since the last round."""
+        if self._service_gone:
+            return
+        if not self._service.alive:
+            self._report_death()
+            return
+        status = self._service.status()
+        if status is None:
+            return  # busy or restarting: the next round will see
+        for name, model in sorted(status.get("models", {}).items()):
+            self._update(name, model)
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self._interval):
+            self.poll()
+        self.poll()
+
+    def _print(self, line: str, force: bool = False) -> None:
+        if force or not self._quiet:
+            print(line, file=self._out or sys.stdout, flush=True)
+
+    def _report_death(self) -> None:
+        self._service_gone = True
+        kept = [
+            f"{name} keeps {_describe(progress.current)}"
+            for name, progress in sorted(self._models.items())
+        ]
+        self._print(
+            f"distune: the tuning service stopped unexpectedly (exit code "
+            f"{self._service.returncode}); training goes on with the groups it has"
+            + (f": {'; '.join(kept)}" if kept else ""),
+            force=True,
+        )
+
+    def _update(self, name: str, model: dict[str, Any]) -> None:
+        progress = self._models.setdefault(name, _ModelProgress())
+        progress.current = model.get("current") or progress.current
+        state = model.get("state", "")
+        if progress.state in ("", "warmup") and state in ("sampling", "completed"):
+            self._print(
+                f"autotune {name}: warmup over, sampling up to {model.get('max_samples')} groups"
+            )
+        if model.get("samples", 0) > progress.rows_seen or (
+            state == "completed" and progress.state != "completed"
+        ):
+            self._print_new_rows(name, model, progress)
+        if state == "completed" and progress.state != "completed":
+            best = model.get("best") or {}
+            self._print(
+                f"autotune {name}: completed, chose {_describe(best.get('group'))} -> "
+                f"{best.get('score', float('nan')):.4g} it/s ({_gain(best.get('gain_vs_default'))})"
+            )
+        progress.state = state
+
+    def _print_new_rows(self, name: str, model: dict[str, Any], progress: _ModelProgress) -> None:
+        text = self._service.log(name)
+        if text is None:
+            return
+        rows = [row for row in csv.DictReader(io.StringIO(text)) if row.get("phase") != "completed"]
+        for row in rows[progress.rows_seen :]:
+            self._print(_sample_line(name, row, model.get("max_samples")))
+        progress.rows_seen = max(progress.rows_seen, len(rows))
+
+
+def _sample_line(name: str, row: dict[str, str], max_samples: Any) -> str:
+    sample = f"autotune {name} sample {row.get('sample', '?')}/{max_samples}"
+    try:
+        hierarchical = row["is_hierarchical_reduce"] == "True"
+        group = Hyperparameters(int(row["bucket_size_2p"]), hierarchical).describe()
+        rate = float(row["score"])
+    except (KeyError, ValueError, HyperparameterError):
+        return f"{sample}: (unreadable log row)"
+    return f"{sample}: {group} -> {rate:.4g} it/s ({_gain(row.get('gain_vs_default'))})"

@@ -1,0 +1,90 @@
+"""The launcher's progress lines and dead-service notice, against a real service process."""
+
+from __future__ import annotations
+
+import io
+import signal
+
+import pytest
+import requests
+
+from distune.launcher.progress import ProgressMonitor
+from distune.launcher.service_process import TuningServiceProcess
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "monitor-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+FACTS = {"world_size": 2, "nnodes": 1, "local_world_size": 2, "gradient_bytes": 2**20}
+
+
+def rate_of(group: dict) -> float:
+    """A synthetic job: fastest at 2^18 bytes."""
+    return 100.0 - 5.0 * abs(group["hyperparameters"]["bucket_size_2p"] - 18)
+
+
+@pytest.fixture
+def service():
+    args = ["--host", "127.0.0.1", "--port", "0", "--seed", "0", "--max-samples", "3"]
+    args += ["--warmup-time", "1", "--sampling-confidence-time", "1"]
+    started = TuningServiceProcess.start(args, TOKEN)
+    yield started
+    started.stop()
+
+
+def drive(service: TuningServiceProcess, monitors: list[ProgressMonitor], windows: int) -> dict:
+    """Report ``windows`` windows of 0.5 s as a job would, polling the monitors after each."""
+    url = service.url + "/api/v1/models/m"
+    reply = requests.post(url + "/register", json=FACTS, headers=AUTH, timeout=5).json()
+    train_iter = 0
+    for _ in range(windows):
+        group = reply["group"]
+        iterations = int(rate_of(group) / 2)
+        train_iter += iterations
+        body = {
+            "group_id": group["id"],
+            "train_iter": train_iter,
+            "iterations": iterations,
+            "seconds": 0.5,
+        }
+        reply = requests.post(url + "/report", json=body, headers=AUTH, timeout=5).json()
+        for monitor in monitors:
+            monitor.poll()
+        if reply["completed"]:
+            break
+    return reply
+
+
+def test_one_line_per_event_then_the_choice(service):
+    out, quiet_out = io.StringIO(), io.StringIO()
+    monitor = ProgressMonitor(service, out=out)
+    quiet = ProgressMonitor(service, quiet=True, out=quiet_out)
+    reply = drive(service, [monitor, quiet], windows=200)
+    assert reply["completed"]
+    monitor.poll()  # nothing new: no line is repeated
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "autotune m: warmup over, sampling up to 3 groups"
+    samples = [line for line in lines if " sample " in line]
+    assert samples[0].startswith("autotune m sample 1/3: bucket 2^20 B (1 MiB), flat -> ")
+    assert samples[0].endswith("it/s (+0.0% vs default)")
+    assert 2 <= len(samples) <= 3
+    assert [line.split(":")[0].split()[-1] for line in samples] == [
+        f"{n}/3" for n in range(1, len(samples) + 1)
+    ]
+    assert lines[-1].startswith("autotune m: completed, chose bucket 2^")
+    assert len(lines) == len(samples) + 2
+    assert quiet_out.getvalue() == ""
+
+
+def test_a_dead_service_is_reported_once_even_when_quiet(service):
+    out = io.StringIO()
+    monitor = ProgressMonitor(service, quiet=True, out=out)
+    drive(service, [monitor], windows=3)
+    service._process.send_signal(signal.SIGKILL)
+    service._process.wait(10)
+    monitor.poll()
+    monitor.poll()
+    text = out.getvalue()
+    assert text.count("the tuning service stopped unexpectedly (exit code -9)") == 1
+    assert "m keeps bucket 2^20 B (1 MiB), flat" in text
+    assert monitor.service_gone
