@@ -64,7 +64,7 @@ class GroupOptimizer:
             [space.point(hp) for hp in self._groups]
         )
         self._scores: dict[Hyperparameters, float] = {}
-        self._model = None
+        self._model: GaussianProcessRegressor | None = None
         self._design = self._initial_design()
 
     @property
@@ -78,6 +78,38 @@ class GroupOptimizer:
         if not (math.isfinite(score) and score > 0):
             raise ValueError(f"a score must be a positive finite throughput, got {score}")
         self._scores[hp] = score
+        self._model = None  # refitted when next asked
+
+    def suggest(self) -> Suggestion | None:
+        """The unmeasured group to measure next, or None once every group has been measured.
+        Needs at least one score."""
+        if not self._scores:
+            raise RuntimeError("tell the optimizer a score before asking it for a group")
+        unmeasured = [i for i, hp in enumerate(self._groups) if hp not in self._scores]
+        if not unmeasured:
+            return None
+        if len(self._scores) < self._settings.initial_points:
+            return Suggestion(self._next_initial(unmeasured), None)
+        model = self._fit()
+        measured = [i for i, hp in enumerate(self._groups) if hp in self._scores]
+        # The incumbent is the best *predicted* value at a measured group, not the luckiest
+        # observation: with noisy scores the latter would make every other group look hopeless.
+        y_opt = float(np.min(model.predict(self._transformed[measured])))
+        candidates = self._transformed[unmeasured]
+        settings = self._settings
+        if settings.acquisition == "EI":
+            values = gaussian_ei(candidates, model, y_opt=y_opt, xi=settings.xi)
+        elif settings.acquisition == "PI":
+            values = gaussian_pi(candidates, model, y_opt=y_opt, xi=settings.xi)
+        else:
+            values = -gaussian_lcb(candidates, model, kappa=settings.kappa)
+        best = unmeasured[int(np.argmax(values))]
+        improvement = float(np.max(gaussian_ei(candidates, model, y_opt=y_opt, xi=0.0)))
+        return Suggestion(self._groups[best], improvement)
+
+    def _fit(self) -> GaussianProcessRegressor:
+        if self._model is not None:
+            return self._model
         # One observation per group, its pooled estimate, rather than one per sample: a single
         # wild sample then cannot inflate the GP's noise level until every group looks alike.
         # skopt's Optimizer has no way to replace an observation, so each fit starts afresh.
@@ -97,33 +129,7 @@ class GroupOptimizer:
                 [-math.log(score) for score in self._scores.values()],
             )
         self._model = optimizer.models[-1]
-
-    def suggest(self) -> Suggestion | None:
-        """The unmeasured group to measure next, or None once every group has been measured.
-        Needs at least one score."""
-        model = self._model
-        if model is None:
-            raise RuntimeError("tell the optimizer a score before asking it for a group")
-        unmeasured = [i for i, hp in enumerate(self._groups) if hp not in self._scores]
-        if not unmeasured:
-            return None
-        if len(self._scores) < self._settings.initial_points:
-            return Suggestion(self._next_initial(unmeasured), None)
-        measured = [i for i, hp in enumerate(self._groups) if hp in self._scores]
-        # The incumbent is the best *predicted* value at a measured group, not the luckiest
-        # observation: with noisy scores the latter would make every other group look hopeless.
-        y_opt = float(np.min(model.predict(self._transformed[measured])))
-        candidates = self._transformed[unmeasured]
-        settings = self._settings
-        if settings.acquisition == "EI":
-            values = gaussian_ei(candidates, model, y_opt=y_opt, xi=settings.xi)
-        elif settings.acquisition == "PI":
-            values = gaussian_pi(candidates, model, y_opt=y_opt, xi=settings.xi)
-        else:
-            values = -gaussian_lcb(candidates, model, kappa=settings.kappa)
-        best = unmeasured[int(np.argmax(values))]
-        improvement = float(np.max(gaussian_ei(candidates, model, y_opt=y_opt, xi=0.0)))
-        return Suggestion(self._groups[best], improvement)
+        return self._model
 
     def _draw_seed(self) -> int:
         return int(self._rng.integers(0, 2**31 - 1))

@@ -16,7 +16,8 @@ How the next group is chosen (:meth:`TuningSession._next_sample`), in order:
 1. nothing left to tune, or ``max_samples`` taken: complete;
 2. the best group and its runners-up within ``confirm_margin`` (``confirm_top`` in all) are
    *contenders*; one measured only once is re-measured ("confirm") when the search has
-   converged, or when the budget left is only enough for the contenders;
+   converged, or when the budget left is only enough for the contenders (and the last
+   sample never explores: what it found would win unconfirmed);
 3. otherwise the optimizer proposes an unmeasured group ("initial" while the space-filling
    design runs, "bayes" after). When every group has been measured, or (after
    ``stop_min_groups`` groups) no unmeasured group is expected to beat the best by
@@ -29,6 +30,7 @@ pooled score, so a second sample refines the estimate rather than competing with
 from __future__ import annotations
 
 import enum
+import logging
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +42,8 @@ from distune.tuning_service.config import TuningConfig
 from distune.tuning_service.messages import Report, RequestError
 from distune.tuning_service.optimizer import GroupOptimizer
 from distune.tuning_service.score import robust_throughput
+
+logger = logging.getLogger(__name__)
 
 
 class State(str, enum.Enum):
@@ -291,9 +295,12 @@ class TuningSession:
         measured.seconds += sample.seconds
         measured.iterations += sample.iterations
         measured.samples += 1
-        if self._optimizer is not None:
+        if self._optimizer is not None and not self._converged:
             # The optimizer sees each group's pooled score: a re-measurement refines it.
-            self._optimizer.tell(hp, measured.score)
+            try:
+                self._optimizer.tell(hp, measured.score)
+            except Exception:
+                self._stop_searching()
         default_score = self._measurements[self.space.default].score
         records = [
             SampleRecord(
@@ -367,14 +374,20 @@ class TuningSession:
         if self._optimizer is None:
             return None  # nothing to tune: the default group's score is all there is to know
         remaining = self.config.max_samples - len(self._records)
-        if remaining <= 0:
-            return None
         to_confirm = self._contenders_to_confirm()
-        if to_confirm and (self._converged or remaining <= len(to_confirm)):
+        # With confirmation on, the last sample never explores: what it found would win
+        # unconfirmed. Contenders are confirmed best first, so the winner is confirmed first.
+        last = 1 if self.config.confirm_top else 0
+        may_explore = remaining > max(last, len(to_confirm))
+        if to_confirm and remaining > 0 and (self._converged or not may_explore):
             return to_confirm[0], Phase.CONFIRM
-        if self._converged:
+        if self._converged or not may_explore:
             return None
-        suggestion = self._optimizer.suggest()
+        try:
+            suggestion = self._optimizer.suggest()
+        except Exception:
+            self._stop_searching()
+            return self._next_sample()
         settings = self.config.optimizer
         if suggestion is not None:
             improvement = suggestion.expected_improvement
@@ -387,6 +400,14 @@ class TuningSession:
                 return suggestion.hyperparameters, Phase.BAYES
         self._converged = True  # every group measured, or nothing left worth measuring
         return self._next_sample()
+
+    def _stop_searching(self) -> None:
+        # A numerical failure of the optimizer must not take the job's tuning down with it:
+        # the search ends and the session chooses among the groups measured so far.
+        logger.exception(
+            "model %s: the optimizer failed; choosing among measured groups", self.name
+        )
+        self._converged = True
 
     def _make_view(self) -> SessionView:
         default = self._measurements.get(self.space.default)

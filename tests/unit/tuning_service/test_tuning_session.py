@@ -8,6 +8,7 @@ import pytest
 from distune.space import FixedKnobs, Hyperparameters, ModelFacts
 from distune.tuning_service.config import OptimizerSettings, TuningConfig
 from distune.tuning_service.messages import Report, RequestError
+from distune.tuning_service.optimizer import GroupOptimizer
 from distune.tuning_service.session import Phase, StaleGroupError, State, TuningSession
 
 TWO_NODES = ModelFacts(world_size=8, nnodes=2, local_world_size=4, gradient_bytes=2**28)
@@ -270,6 +271,19 @@ def test_samples_make_the_score_samples_per_second():
 
 
 def test_a_seed_makes_a_session_reproducible():
-    config = TuningConfig(warmup_time=0, seed=4, optimizer=OptimizerSettings(initial_design="lhs"))
+    settings = OptimizerSettings(initial_design="lhs")
+    config = TuningConfig(max_samples=8, warmup_time=0, seed=4, optimizer=settings)
     runs = [run_to_completion(session(config), noise=0.03) for _ in range(2)]
     assert [r.group for r in runs[0]] == [r.group for r in runs[1]]
+
+
+def test_an_optimizer_failure_ends_the_search_on_the_best_measured_group(monkeypatch):
+    def broken(self):
+        raise FloatingPointError("injected: the GP fit diverged")
+
+    monkeypatch.setattr(GroupOptimizer, "suggest", broken)
+    s = session(TuningConfig(max_samples=10, warmup_time=0, seed=1))
+    records = run_to_completion(s)
+    assert s.view.state is State.COMPLETED
+    assert s.view.best.group.hyperparameters == Hyperparameters(25, False)
+    assert [r.phase for r in records] == [Phase.DEFAULT, Phase.CONFIRM, Phase.COMPLETED]

@@ -1,0 +1,93 @@
+"""Tuner quality on synthetic landscapes; no torch, no processes, runs in minutes.
+
+    .venv/bin/python -m benchmarks.tuner_quality                 # distune vs random search
+    .venv/bin/python -m benchmarks.tuner_quality --sweep         # + variants of the settings
+    .venv/bin/python -m benchmarks.tuner_quality --seeds 20 --budget 20 --jobs 2 --json out.json
+
+``--sweep`` is how the shipped optimizer settings were chosen: each variant changes one setting
+of the shipped configuration (docs/tuning_service.md has the figures and the reasoning).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import sys
+import time
+
+from benchmarks.tuner_quality.compare import compare, per_landscape_table, summary_table
+from benchmarks.tuner_quality.landscapes import standard_suite
+from benchmarks.tuner_quality.measurement import NoiseModel
+from benchmarks.tuner_quality.tuners import DistuneTuner, RandomSearch, Tuner
+
+from distune.tuning_service.config import OptimizerSettings, TuningConfig
+
+
+def _variant(name: str, optimizer: dict | None = None, **config: object) -> DistuneTuner:
+    shipped = TuningConfig()
+    settings = dataclasses.replace(shipped.optimizer, **(optimizer or {}))
+    return DistuneTuner(name, dataclasses.replace(shipped, optimizer=settings, **config))
+
+
+def sweep() -> list[Tuner]:
+    """Variants of the shipped settings, one change each."""
+    shipped = OptimizerSettings()
+    return [
+        _variant("init=lhs", {"initial_design": "lhs"}),
+        _variant(f"init_points={shipped.initial_points - 1}", {"initial_points": 3}),
+        _variant(f"init_points={shipped.initial_points + 2}", {"initial_points": 6}),
+        _variant("acq=PI", {"acquisition": "PI"}),
+        _variant("acq=LCB", {"acquisition": "LCB"}),
+        _variant("noise=none", {"noise": "none"}),
+        _variant("no early stop", {"stop_improvement": 0.0}),
+        _variant("stop_min_groups=5", {"stop_min_groups": 5}),
+        _variant("no confirmation", confirm_top=0),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the comparison and print markdown tables (and JSON with --json)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tuner_quality")
+    parser.add_argument("--seeds", type=int, default=20, help="seeds per landscape (default 20)")
+    parser.add_argument("--budget", type=int, default=20, help="samples per run (default 20)")
+    parser.add_argument("--checkpoints", default="5,10,15,20", help="samples to report at")
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    parser.add_argument("--sweep", action="store_true", help="also run variants of the settings")
+    parser.add_argument("--only", help="comma-separated tuner names to run")
+    parser.add_argument("--json", metavar="PATH", help="write every run's figures as JSON")
+    args = parser.parse_args(argv)
+    checkpoints = [int(k) for k in args.checkpoints.split(",") if int(k) <= args.budget]
+
+    tuners: list[Tuner] = [DistuneTuner(), RandomSearch()]
+    if args.sweep:
+        tuners += sweep()
+    if args.only:
+        wanted = set(args.only.split(","))
+        tuners = [t for t in tuners if t.name in wanted]
+    landscapes = standard_suite()
+    noise = NoiseModel()
+    started = time.perf_counter()
+    runs = compare(tuners, landscapes, args.seeds, args.budget, noise, args.jobs)
+    elapsed = time.perf_counter() - started
+
+    print(
+        f"# Tuner quality: {len(landscapes)} landscapes x {args.seeds} seeds, "
+        f"budget {args.budget} samples"
+    )
+    print(
+        f"\nnoise: {noise}\nmachine: {platform.node()} ({platform.machine()}), "
+        f"python {platform.python_version()}; {elapsed:.0f} s with {args.jobs} job(s)\n"
+    )
+    print(summary_table(runs, checkpoints))
+    print()
+    print(per_landscape_table(runs))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as file:
+            json.dump([dataclasses.asdict(run) for run in runs], file)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
