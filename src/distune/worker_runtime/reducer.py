@@ -5,9 +5,10 @@ How one synchronised backward goes:
 * Each parameter's ``post_accumulate_grad`` hook fires once its gradient is complete for this
   backward. Its ``.grad`` is (or is copied into and becomes) a view of its bucket. When every
   parameter of a bucket is ready, the bucket is launched: divided by the world size (before the
-  sum, as torch DDP does, so half precision does not overflow) and allreduced asynchronously
-  while backward goes on. Buckets are launched in one fixed order on every rank (bucket ``k+1``
-  waits for bucket ``k``), so the ranks' collectives always pair up.
+  sum, as torch DDP does, so half precision does not overflow; large gradients are divided as
+  they are copied in) and allreduced asynchronously while backward goes on. Buckets are
+  launched in one fixed order on every rank (bucket ``k+1`` waits for bucket ``k``), so the
+  ranks' collectives always pair up.
 * The first hook queues a callback that autograd runs when backward ends. It launches whatever
   is left (buckets of parameters that got no gradient in this backward: see below), then waits
   for every bucket. So **backward returns with averaged gradients**, as with torch DDP: code
