@@ -38,6 +38,13 @@ def test_unequal_nodes_count_as_nodes_of_one_rank():
     assert not topology.hierarchical_possible
 
 
+def test_seen_as_single_rank_nodes_offers_no_hierarchical():
+    topology = Topology(rank=1, nodes=(0, 0, 1, 1), local_ranks=(0, 1, 0, 1))
+    flat = topology.as_single_rank_nodes()
+    assert (flat.rank, flat.nnodes, flat.local_world_size) == (1, 4, 1)
+    assert not flat.hierarchical_possible
+
+
 def test_two_ranks_in_one_place_is_an_error():
     with pytest.raises(TopologyError, match="same"):
         Topology(0, (0, 0), (0, 0))

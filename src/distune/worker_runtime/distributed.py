@@ -106,6 +106,10 @@ class DistributedDataParallel(nn.Module):
 
         _broadcast_state(module, self.process_group)
         topology = discover(self.process_group, self._comm_device)
+        spans_job = dist.get_world_size(self.process_group) == dist.get_world_size()
+        if topology.hierarchical_possible and not spans_job:
+            # Hierarchical groups are created by the whole job; a subgroup averages flat only.
+            topology = topology.as_single_rank_nodes()
         gradient_bytes = sum(p.numel() * p.element_size() for _, p in named)
         facts = ModelFacts(
             topology.world_size, topology.nnodes, topology.local_world_size, gradient_bytes

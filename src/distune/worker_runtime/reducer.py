@@ -123,9 +123,11 @@ def _on_grad_ready(reducer_ref: weakref.ref[Reducer], index: int, param: torch.T
         reducer._grad_ready(index)
 
 
-def _remove_hooks(handles: list[Any]) -> None:
+def _release(handles: list[Any], hierarchical: _HierarchicalAllreduce | None) -> None:
     for handle in handles:
         handle.remove()
+    if hierarchical is not None:
+        hierarchical.close()
 
 
 class Reducer:
@@ -181,7 +183,7 @@ class Reducer:
             p.register_post_accumulate_grad_hook(partial(_on_grad_ready, weakref.ref(self), i))
             for i, p in enumerate(self._params)
         ]
-        weakref.finalize(self, _remove_hooks, handles)
+        weakref.finalize(self, _release, handles, self._hierarchical)
 
     # -- configuration ---------------------------------------------------------------------
 
@@ -224,11 +226,6 @@ class Reducer:
                         param.grad = view
         hierarchical = hyperparameters.is_hierarchical_reduce and self._hierarchical is not None
         self._strategy = self._hierarchical if hierarchical else self._flat
-
-    def close(self) -> None:
-        """Release the hierarchical worker thread, if any."""
-        if self._hierarchical is not None:
-            self._hierarchical.close()
 
     # -- one backward ----------------------------------------------------------------------
 

@@ -80,6 +80,10 @@ class Topology:
         """Hierarchical allreduce differs from flat only with several multi-rank nodes."""
         return self.nnodes > 1 and self.local_world_size > 1
 
+    def as_single_rank_nodes(self) -> Topology:
+        """The same ranks seen as nodes of one rank each: no hierarchical allreduce."""
+        return Topology(self.rank, tuple(range(self.world_size)), (0,) * self.world_size)
+
 
 def discover(
     process_group: dist.ProcessGroup,
