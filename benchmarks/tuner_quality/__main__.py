@@ -21,7 +21,6 @@ from benchmarks.tuner_quality.compare import compare, per_landscape_table, summa
 from benchmarks.tuner_quality.landscapes import standard_suite
 from benchmarks.tuner_quality.measurement import NoiseModel
 from benchmarks.tuner_quality.tuners import DistuneTuner, RandomSearch, Tuner
-
 from distune.tuning_service.config import OptimizerSettings, TuningConfig
 
 

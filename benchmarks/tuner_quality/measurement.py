@@ -18,7 +18,6 @@ import random
 from dataclasses import dataclass
 
 from benchmarks.tuner_quality.landscapes import Landscape
-
 from distune.space import Hyperparameters
 
 

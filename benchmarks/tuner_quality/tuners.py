@@ -14,7 +14,6 @@ from typing import Protocol
 
 from benchmarks.tuner_quality.landscapes import Landscape
 from benchmarks.tuner_quality.measurement import NoiseModel, SimulatedJob
-
 from distune.space import Hyperparameters
 from distune.tuning_service.config import TuningConfig
 from distune.tuning_service.messages import Report

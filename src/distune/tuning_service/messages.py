@@ -83,7 +83,9 @@ class Registration:
     def from_json(cls, data: Any) -> Registration:
         """Parse a request body; raises RequestError naming the field at fault."""
         body = _object(data, cls.FIELDS, cls.FIELDS[:4])
-        counts = {name: _integer(name, body[name], 1, 2**62) for name in cls.FIELDS[:4]}
+        counts = {name: _integer(name, body[name], 1, 2**62) for name in cls.FIELDS[:3]}
+        # A bucket holds at most 2**48 bytes (Hyperparameters' limit), so must the model.
+        counts["gradient_bytes"] = _integer("gradient_bytes", body["gradient_bytes"], 1, 2**48)
         try:
             facts = ModelFacts(**counts)
         except HyperparameterError as error:

@@ -104,7 +104,8 @@ _SCHEMAS: dict[str, Any] = {
             "world_size": _COUNT | {"description": "ranks in the job; nnodes x local_world_size"},
             "nnodes": _COUNT,
             "local_world_size": _COUNT | {"description": "ranks per node"},
-            "gradient_bytes": _COUNT | {"description": "bytes of the model's gradients"},
+            "gradient_bytes": _COUNT
+            | {"maximum": 2**48, "description": "bytes of the model's gradients"},
             "fixed": {
                 "type": "object",
                 "additionalProperties": False,

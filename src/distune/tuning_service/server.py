@@ -52,8 +52,13 @@ def _parser() -> argparse.ArgumentParser:
         spellings = [*names, *("--" + n[2:].replace("-", "_") for n in names if "-" in n[2:])]
         parser.add_argument(*spellings, **kwargs)  # type: ignore[arg-type]
 
-    option("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    option("--port", type=int, default=0, help="port; 0 picks a free one (default: 0)")
+    option(
+        "--host",
+        metavar="H",
+        default="127.0.0.1",
+        help="address to listen on (default: %(default)s)",
+    )
+    option("--port", metavar="P", type=int, default=0, help="port; 0 picks a free one (default: 0)")
     logs = parser.add_mutually_exclusive_group()
     logs.add_argument("--log-file", "--log_file", metavar="PATH", help="write the CSV log to PATH")
     logs.add_argument(
@@ -64,18 +69,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     option(
         "--max-samples",
+        metavar="N",
         type=int,
         default=defaults.max_samples,
         help="at most N sampled groups per model (default: %(default)s)",
     )
     option(
         "--sampling-confidence-time",
+        metavar="T",
         type=float,
         default=defaults.sampling_confidence_time,
         help="seconds of reported time each group is measured (default: %(default)s)",
     )
     option(
         "--warmup-time",
+        metavar="W",
         type=float,
         default=defaults.warmup_time,
         help="seconds of reported time ignored at the start (default: %(default)s)",
@@ -90,19 +98,29 @@ def _parser() -> argparse.ArgumentParser:
     )
     option(
         "--default-bucket-size",
+        metavar="BYTES",
         type=int,
         default=defaults.default_bucket_size,
         help="bytes of the default group's bucket (default: %(default)s)",
     )
     option("--best-file", metavar="PATH", help="write the chosen groups as JSON to PATH")
-    option("--seed", type=int, default=None, help="seed the optimizers, for reproducible runs")
+    option(
+        "--seed",
+        metavar="S",
+        type=int,
+        default=None,
+        help="seed the optimizers, for reproducible runs",
+    )
     option(
         "--max-models",
+        metavar="N",
         type=int,
         default=defaults.max_models,
         help="how many models the service tunes at most (default: %(default)s)",
     )
-    option("--threads", type=int, default=8, help="request threads (default: %(default)s)")
+    option(
+        "--threads", metavar="N", type=int, default=8, help="request threads (default: %(default)s)"
+    )
     return parser
 
 

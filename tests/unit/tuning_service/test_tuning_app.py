@@ -195,6 +195,7 @@ def test_non_utf8_body_gets_400(client):
         ({"world_size": 0}, "world_size"),
         ({"world_size": 6}, "world_size"),  # not nnodes x local_world_size
         ({"gradient_bytes": -1}, "gradient_bytes"),
+        ({"gradient_bytes": 2**49}, "gradient_bytes"),
         ({"nnodes": 2.0}, "nnodes"),
         ({"fixed": [1]}, "fixed"),
         ({"fixed": {"bucket_size_2p": "big"}}, "fixed"),
