@@ -43,6 +43,8 @@ def sweep() -> list[Tuner]:
         _variant("no early stop", {"stop_improvement": 0.0}),
         _variant("stop_min_groups=5", {"stop_min_groups": 5}),
         _variant("no confirmation", confirm_top=0),
+        _variant("confirm_top=3", confirm_top=3),
+        _variant("confirm_margin=0.05", confirm_margin=0.05),
     ]
 
 
