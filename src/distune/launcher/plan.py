@@ -64,7 +64,8 @@ def _hierarchical_possible(args: argparse.Namespace) -> bool:
 
 
 def _service_args(options: AutotuneOptions, placement: ServicePlacement) -> tuple[str, ...]:
-    argv = ["--host", placement.host, "--port", str(placement.port)]
+    # The launcher prints progress itself (progress.py): the service's own lines would repeat it.
+    argv = ["--host", placement.host, "--port", str(placement.port), "--log-level", "warning"]
     if options.autotune_log_file is not None:
         argv += ["--log-file", str(options.autotune_log_file)]
     elif options.is_output_autotune_log:

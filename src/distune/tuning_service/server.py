@@ -121,6 +121,13 @@ def _parser() -> argparse.ArgumentParser:
     option(
         "--threads", metavar="N", type=int, default=8, help="request threads (default: %(default)s)"
     )
+    option(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="info",
+        help="diagnostics on stderr from this level up (default: %(default)s); the launcher "
+        "prints its own progress lines and asks for warnings only",
+    )
     return parser
 
 
@@ -146,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
-        stream=sys.stderr, level=logging.INFO, format="%(name)s %(levelname)s: %(message)s"
+        stream=sys.stderr,
+        level=args.log_level.upper(),
+        format="%(name)s %(levelname)s: %(message)s",
     )
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in [0, 65535], got {args.port}")

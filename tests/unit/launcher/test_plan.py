@@ -30,7 +30,14 @@ def test_single_node_level_1_hosts_service_on_loopback_free_port_with_random_tok
     launch = plan("--nproc_per_node", "2", "--autotune_level", "1")
     assert launch.starts_service
     assert (launch.placement.host, launch.placement.port) == ("127.0.0.1", 0)
-    assert launch.service_args[:4] == ("--host", "127.0.0.1", "--port", "0")
+    assert launch.service_args[:6] == (
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--log-level",
+        "warning",
+    )
     assert launch.token and len(launch.token) >= 32
     assert launch.token not in " ".join(launch.service_args)
     assert launch.settings.service_token == launch.token
