@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -20,6 +21,10 @@ MIN_TUNED_BUCKET_SIZE_2P = 16
 #: Bounds on any bucket size exponent (1 byte, i.e. one bucket per parameter, to 256 TiB).
 BUCKET_SIZE_2P_LIMITS = (0, 48)
 
+#: Model names as both the service and the runtime accept them: safe in URLs, logs and CSV.
+MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
+MODEL_NAME_RULE = "1-64 characters of [A-Za-z0-9._-]"
+
 BUCKET_SIZE_2P = "bucket_size_2p"
 IS_HIERARCHICAL_REDUCE = "is_hierarchical_reduce"
 #: Names of the knobs, in the order the optimizer sees them.
@@ -28,6 +33,11 @@ KNOB_NAMES = (BUCKET_SIZE_2P, IS_HIERARCHICAL_REDUCE)
 
 class HyperparameterError(ValueError):
     """A hyperparameter value, name or search-space fact is invalid; the message says why."""
+
+
+def is_valid_model_name(name: object) -> bool:
+    """Whether ``name`` follows :data:`MODEL_NAME_RULE`."""
+    return isinstance(name, str) and MODEL_NAME_PATTERN.fullmatch(name) is not None
 
 
 def _check_int(name: str, value: Any, low: int, high: int) -> int:

@@ -8,15 +8,19 @@ exactly what to fix. Numbers must be JSON numbers of the right kind: ``true`` is
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from distune.space import FixedKnobs, HyperparameterError, ModelFacts
+from distune.space import (
+    MODEL_NAME_RULE,
+    FixedKnobs,
+    HyperparameterError,
+    ModelFacts,
+    is_valid_model_name,
+)
 
 #: Model names: 1 to 64 letters, digits, dots, underscores or dashes.
-MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
 #: The largest integer a report may carry: JSON numbers above it lose precision in most clients.
 MAX_COUNT = 2**53
 #: A report window lasts at least a microsecond and at most about eleven days.
@@ -33,10 +37,8 @@ class RequestError(ValueError):
 
 def check_model_name(name: str) -> str:
     """Return ``name`` if it is a valid model name, else raise RequestError."""
-    if not MODEL_NAME_PATTERN.fullmatch(name):
-        raise RequestError(
-            "name", f"model names are 1-64 characters of [A-Za-z0-9._-], got {name[:80]!r}"
-        )
+    if not is_valid_model_name(name):
+        raise RequestError("name", f"model names are {MODEL_NAME_RULE}, got {name[:80]!r}")
     return name
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from distune.space import BUCKET_SIZE_2P_LIMITS
-from distune.tuning_service.messages import MAX_COUNT, MODEL_NAME_PATTERN, SECONDS_RANGE
+from distune.space import BUCKET_SIZE_2P_LIMITS, MODEL_NAME_PATTERN
+from distune.tuning_service.messages import MAX_COUNT, SECONDS_RANGE
 
 
 def _ref(name: str) -> dict[str, str]:

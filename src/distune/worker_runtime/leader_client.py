@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
-import re
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -28,25 +27,25 @@ from urllib.parse import quote
 import requests
 
 from distune.space import (
+    MODEL_NAME_RULE,
     FixedKnobs,
     HyperparameterError,
     Hyperparameters,
     ModelFacts,
     SearchSpace,
+    is_valid_model_name,
 )
 
 logger = logging.getLogger(__name__)
 
-#: Model names the REST API accepts (the service checks the same rule).
-MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
 #: Finished windows waiting to be posted; older ones are dropped when the service lags.
 QUEUE_LIMIT = 16
 
 
 def check_model_name(name: object) -> str:
     """Return ``name`` if the service accepts it as a model name, else raise ValueError."""
-    if not isinstance(name, str) or not MODEL_NAME_PATTERN.fullmatch(name):
-        raise ValueError(f"model name must be 1-64 characters of [A-Za-z0-9._-], got {name!r}")
+    if not is_valid_model_name(name):
+        raise ValueError(f"model name must be {MODEL_NAME_RULE}, got {name!r}")
     return name
 
 
