@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 from torch.distributed.run import get_args_parser
 
 from distune.launcher.config_file import ConfigError, load_config
+from distune.tuning_service.config import TuningConfig
 
 
 class OptionError(ValueError):
@@ -211,9 +212,18 @@ def build_parser() -> LauncherArgumentParser:
         )
 
     add("autotune_level", "0: no tuning, no service (default); 1: tune online", "{0,1}")
-    add("autotune_max_samples", "at most N sampled groups", "N")
-    add("autotune_sampling_confidence_time", "seconds each group is measured", "T")
-    add("autotune_warmup_time", "seconds ignored at the start", "W")
+    tuning = TuningConfig()  # the service's defaults, shown here; the service applies them
+    add("autotune_max_samples", f"at most N sampled groups (default {tuning.max_samples})", "N")
+    add(
+        "autotune_sampling_confidence_time",
+        f"seconds each group is measured (default {tuning.sampling_confidence_time:g})",
+        "T",
+    )
+    add(
+        "autotune_warmup_time",
+        f"seconds ignored at the start (default {tuning.warmup_time:g})",
+        "W",
+    )
     group.add_argument(
         "--is_output_autotune_log",
         "--is-output-autotune-log",
