@@ -10,6 +10,7 @@ allowed; the launcher turns it into exit code 2 before anything starts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 from collections.abc import Callable, Mapping
@@ -56,61 +57,36 @@ class AutotuneOptions:
         return self.is_output_autotune_log or self.autotune_log_file is not None
 
 
-def _reject_bool(value: Any) -> None:
-    # YAML's `yes` and JSON's `true` parse to bool, which Python also treats as an int.
-    if isinstance(value, bool):
-        raise OptionError(f"must be a number, got {value!r}")
+def _whole_number(low: int, high: int | None, allowed: str) -> Callable[[Any], int]:
+    """A validator of whole numbers in [low, high] (``high`` None: no upper bound)."""
+
+    def check(value: Any) -> int:
+        number = None
+        # YAML's `yes` and JSON's `true` parse to bool, which Python also treats as an int.
+        if not isinstance(value, bool):
+            with contextlib.suppress(ValueError):
+                number = int(str(value).strip())
+        if number is None or number < low or (high is not None and number > high):
+            raise OptionError(f"must be {allowed}, got {value!r}")
+        return number
+
+    return check
 
 
-def _level(value: Any) -> int:
-    _reject_bool(value)
-    if str(value).strip() not in ("0", "1"):
-        raise OptionError(f"must be 0 or 1, got {value!r}")
-    return int(value)
-
-
-def _positive_int(value: Any) -> int:
-    _reject_bool(value)
-    try:
-        number = int(str(value).strip())
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise OptionError(f"must be an integer of at least 1, got {value!r}")
-    return number
+_level = _whole_number(0, 1, "0 or 1")
+_positive_int = _whole_number(1, None, "an integer of at least 1")
+_bytes = _whole_number(1, None, "a positive whole number of bytes")
+_port = _whole_number(0, 65535, "a port in [0, 65535] (0: a free one)")
 
 
 def _positive_seconds(value: Any) -> float:
-    _reject_bool(value)
-    try:
-        seconds = float(str(value).strip())
-    except ValueError:
-        seconds = math.nan
+    seconds = math.nan
+    if not isinstance(value, bool):
+        with contextlib.suppress(ValueError):
+            seconds = float(str(value).strip())
     if not (math.isfinite(seconds) and seconds > 0):
         raise OptionError(f"must be a positive number of seconds, got {value!r}")
     return seconds
-
-
-def _bytes(value: Any) -> int:
-    _reject_bool(value)
-    try:
-        number = int(str(value).strip())
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise OptionError(f"must be a positive whole number of bytes, got {value!r}")
-    return number
-
-
-def _port(value: Any) -> int:
-    _reject_bool(value)
-    try:
-        port = int(str(value).strip())
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise OptionError(f"must be a port in [0, 65535] (0: a free one), got {value!r}")
-    return port
 
 
 def _url(value: Any) -> str:

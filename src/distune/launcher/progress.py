@@ -17,24 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from distune.launcher.service_process import TuningServiceProcess
+from distune.launcher.summary import describe_group, format_gain, format_rate
 from distune.space import HyperparameterError, Hyperparameters
 
 #: Seconds between two polls of the service.
 POLL_INTERVAL = 1.0
-
-
-def _describe(group: Any) -> str:
-    try:
-        return Hyperparameters.from_dict(group["hyperparameters"]).describe()
-    except (HyperparameterError, KeyError, TypeError):
-        return "an unknown group"
-
-
-def _gain(value: Any) -> str:
-    try:
-        return f"{float(value):+.1%} vs default"
-    except (TypeError, ValueError):
-        return "gain unknown"
 
 
 @dataclass
@@ -109,7 +96,7 @@ class ProgressMonitor:
     def _report_death(self) -> None:
         self._service_gone = True
         kept = [
-            f"{name} keeps {_describe(progress.current)}"
+            f"{name} keeps {describe_group(progress.current)}"
             for name, progress in sorted(self._models.items())
         ]
         self._print(
@@ -134,8 +121,9 @@ class ProgressMonitor:
         if state == "completed" and progress.state != "completed":
             best = model.get("best") or {}
             self._print(
-                f"autotune {name}: completed, chose {_describe(best.get('group'))} -> "
-                f"{best.get('score', float('nan')):.4g} it/s ({_gain(best.get('gain_vs_default'))})"
+                f"autotune {name}: completed, chose {describe_group(best.get('group'))} -> "
+                f"{format_rate(best.get('score'))} ({format_gain(best.get('gain_vs_default'))} "
+                "vs default)"
             )
         progress.state = state
 
@@ -154,7 +142,7 @@ def _sample_line(name: str, row: dict[str, str], max_samples: Any) -> str:
     try:
         hierarchical = row["is_hierarchical_reduce"] == "True"
         group = Hyperparameters(int(row["bucket_size_2p"]), hierarchical).describe()
-        rate = float(row["score"])
     except (KeyError, ValueError, HyperparameterError):
         return f"{sample}: (unreadable log row)"
-    return f"{sample}: {group} -> {rate:.4g} it/s ({_gain(row.get('gain_vs_default'))})"
+    rate, gain = format_rate(row.get("score")), format_gain(row.get("gain_vs_default"))
+    return f"{sample}: {group} -> {rate} ({gain} vs default)"

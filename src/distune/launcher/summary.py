@@ -1,4 +1,5 @@
-"""The end-of-run summary the launcher prints from the service's last ``/api/v1/status``."""
+"""The end-of-run summary the launcher prints from the service's last ``/api/v1/status``, and
+the wording of groups, rates and gains that it shares with the progress lines."""
 
 from __future__ import annotations
 
@@ -7,15 +8,28 @@ from typing import Any
 from distune.space import HyperparameterError, Hyperparameters
 
 
-def _group(group: Any) -> str:
+def describe_group(group: Any) -> str:
+    """A group of the REST API (``{"id", "hyperparameters"}``) in words."""
     try:
         return Hyperparameters.from_dict(group["hyperparameters"]).describe()
     except (HyperparameterError, KeyError, TypeError):
-        return "unknown group"
+        return "an unknown group"
 
 
-def _score(value: Any) -> str:
-    return f"{value:.4g}/s" if isinstance(value, int | float) else "not measured"
+def format_rate(value: Any) -> str:
+    """A score (training iterations per second)."""
+    try:
+        return f"{float(value):.4g} it/s"
+    except (TypeError, ValueError):
+        return "not measured"
+
+
+def format_gain(value: Any) -> str:
+    """A gain over the default group, as a signed percentage."""
+    try:
+        return f"{float(value):+.1%}"
+    except (TypeError, ValueError):
+        return "unknown"
 
 
 def format_summary(
@@ -33,15 +47,14 @@ def format_summary(
             f"{model.get('samples')} of at most {model.get('max_samples')} samples"
         )
         if best is None:
-            lines.append(f"  current group: {_group(model.get('current'))} (nothing chosen yet)")
+            current = describe_group(model.get("current"))
+            lines.append(f"  current group: {current} (nothing chosen yet)")
             continue
-        gain = best.get("gain_vs_default")
-        gain_text = f"{gain:+.1%}" if isinstance(gain, int | float) else "unknown"
+        chosen, score = describe_group(best.get("group")), format_rate(best.get("score"))
+        lines.append(f"  chosen group:  {chosen}, {score}")
         lines.append(
-            f"  chosen group:  {_group(best.get('group'))}, score {_score(best.get('score'))}"
-        )
-        lines.append(
-            f"  default group: score {_score(model.get('default_score'))}; gain {gain_text}"
+            f"  default group: {format_rate(model.get('default_score'))}; "
+            f"gain {format_gain(best.get('gain_vs_default'))}"
         )
     if not lines:
         lines.append("distune: no model registered with the tuning service")

@@ -130,7 +130,11 @@ def test_best_file_is_a_config_file(tmp_path):
     [
         ("autotune_levle: 1\nbucket_sise: 3\n", "unknown key(s) 'autotune_levle', 'bucket_sise'"),
         ("autotune_warmup_time: -2\n", "autotune_warmup_time must be a positive number of seconds"),
-        ("bucket_size: true\n", "bucket_size must be a number, got True"),
+        ("bucket_size: true\n", "bucket_size must be a positive whole number of bytes, got True"),
+        (
+            "autotune_warmup_time: yes\n",
+            "autotune_warmup_time must be a positive number of seconds, got True",
+        ),
         ("hierarchical_reduce: 1\n", "hierarchical_reduce must be true or false, got 1"),
         ("[1, 2]\n", "must hold a mapping of setting names to values"),
         ("a: [unclosed\n", "is not valid YAML or JSON"),

@@ -21,8 +21,8 @@ def test_completed_model_shows_choice_scores_gain_and_files():
     }
     text = "\n".join(format_summary(status, "/tmp/distune_autotune_x.log", "/tmp/best.json"))
     assert "model model0: completed after 8 of at most 20 samples" in text
-    assert "bucket 2^22 B (4 MiB), flat, score 12.3/s" in text
-    assert "score 11.8/s; gain +4.2%" in text
+    assert "bucket 2^22 B (4 MiB), flat, 12.3 it/s" in text
+    assert "default group: 11.8 it/s; gain +4.2%" in text
     assert "autotune log: /tmp/distune_autotune_x.log" in text
     assert "best-file: /tmp/best.json" in text
 
