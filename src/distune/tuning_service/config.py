@@ -98,6 +98,12 @@ class TuningConfig:
     - ``confirm_top``: before completing, the best group and the runners-up within
       ``confirm_margin`` of it, up to this many, are measured a second time.
     - ``max_models``: how many models one service tunes at most.
+    - ``stall_fraction``: a window whose rate is below this fraction of the median of its
+      group's windows is a stall (a data-loader or checkpoint pause several windows long): it
+      is not scored and does not count towards the sample's time or windows (0 disables).
+    - ``max_windows``: a sample keeps at most this many windows; past it, neighbouring windows
+      are merged in pairs (iterations and seconds added), so memory stays bounded however long
+      a sample runs, while its time is still all counted.
     """
 
     max_samples: int = 20
@@ -110,6 +116,8 @@ class TuningConfig:
     confirm_top: int = 2
     confirm_margin: float = 0.03
     max_models: int = 256
+    stall_fraction: float = 0.25
+    max_windows: int = 256
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
 
     def __post_init__(self) -> None:
@@ -127,5 +135,7 @@ class TuningConfig:
         _check_int("confirm_top", self.confirm_top, 0, 100)
         _check_number("confirm_margin", self.confirm_margin, 0.0, 1.0, low_open=False)
         _check_int("max_models", self.max_models, 1, 100_000)
+        _check_number("stall_fraction", self.stall_fraction, 0.0, 0.9, low_open=False)
+        _check_int("max_windows", self.max_windows, 8, 1_000_000)
         if not isinstance(self.optimizer, OptimizerSettings):
             raise ConfigError(f"optimizer must be an OptimizerSettings, got {self.optimizer!r}")

@@ -95,6 +95,9 @@ class Registration:
         fixed = body.get("fixed", {})
         if not isinstance(fixed, Mapping):
             raise RequestError("fixed", f"must be an object of knob values, got {fixed!r}")
+        for knob, value in fixed.items():
+            if value is None:  # FixedKnobs reads None as "tuned"; a request says so by omission
+                raise RequestError(f"fixed.{knob}", "must be a value; omit a knob to tune it")
         try:
             return cls(facts, FixedKnobs.from_dict(fixed))
         except HyperparameterError as error:
@@ -131,4 +134,7 @@ class Report:
     @classmethod
     def from_json(cls, data: Any) -> Report:
         """Parse a request body; raises RequestError naming the field at fault."""
-        return cls(**_object(data, cls.FIELDS, cls.FIELDS[:4]))
+        body = _object(data, cls.FIELDS, cls.FIELDS[:4])
+        if "samples" in body and body["samples"] is None:
+            raise RequestError("samples", "must be an integer; omit it to count iterations")
+        return cls(**body)

@@ -164,7 +164,15 @@ _SCHEMAS: dict[str, Any] = {
     },
     "ModelStatus": {
         "type": "object",
-        "required": ["state", "samples", "max_samples", "current", "best", "default_score"],
+        "required": [
+            "state",
+            "samples",
+            "max_samples",
+            "current",
+            "best",
+            "default_score",
+            "invalid_windows",
+        ],
         "properties": {
             "state": _ref("State"),
             "samples": {"type": "integer", "minimum": 0},
@@ -175,6 +183,11 @@ _SCHEMAS: dict[str, Any] = {
                 "description": "the best group so far; the choice once completed",
             },
             "default_score": {"type": ["number", "null"]},
+            "invalid_windows": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "stalled report windows set aside, not scored",
+            },
         },
     },
     "Status": {

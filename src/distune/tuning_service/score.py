@@ -5,13 +5,67 @@ that have nothing to do with the group (a data-loader stall, a checkpoint, a tim
 pause), so the score is never the last or the largest window: the lowest and highest windows
 are dropped (a fifth of them at each end, at least one each once there are three) and the rest
 averaged. With three windows that is the median; with five, the mean of the middle three.
+
+Trimming copes with one bad window in five. A long stall (a data-loader or checkpoint pause of
+several windows' worth) can hit more windows than that, so before scoring, windows far slower
+than their own group's median are set aside as *stalled* (:func:`split_stalls`): a window below
+a quarter of the median holds a pause at least three times as long as its work. The comparison
+is within one group, never across groups, so an honestly slow group keeps all its windows.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+
+class Window(NamedTuple):
+    """Scored report time: ``count`` iterations (or samples, if the model counts them) and
+    ``iterations`` iterations in ``seconds``, from ``reports`` reports (one, until merged)."""
+
+    count: int
+    iterations: int
+    seconds: float
+    reports: int = 1
+
+    @property
+    def rate(self) -> float:
+        """Iterations (or samples) per second."""
+        return self.count / self.seconds
+
+
+def split_stalls(
+    windows: Sequence[Window], reference: Iterable[float], fraction: float
+) -> tuple[list[Window], list[Window]]:
+    """``(valid, stalled)``: the windows whose rate is below ``fraction`` of the median of
+    their group's rates (theirs and the ``reference`` rates of the group's earlier windows) are
+    stalled. ``fraction`` 0 keeps every window."""
+    if fraction <= 0 or not windows:
+        return list(windows), []
+    floor = fraction * statistics.median([*reference, *(w.rate for w in windows)])
+    valid = [w for w in windows if w.rate >= floor]
+    if len(valid) == len(windows):
+        return valid, []
+    return valid, [w for w in windows if w.rate < floor]
+
+
+def bounded(windows: list[Window], limit: int) -> list[Window]:
+    """``windows``, neighbours merged in pairs (their counts and seconds added) until at most
+    ``limit`` remain: a long sample's memory stays bounded and all of its time still counts."""
+    while len(windows) > limit:
+        merged = [
+            Window(
+                a.count + b.count,
+                a.iterations + b.iterations,
+                a.seconds + b.seconds,
+                a.reports + b.reports,
+            )
+            for a, b in zip(windows[0::2], windows[1::2], strict=False)
+        ]
+        windows = merged + windows[len(merged) * 2 :]
+    return windows
 
 
 def trimmed_count(n: int) -> int:

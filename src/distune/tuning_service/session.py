@@ -2,8 +2,9 @@
 
 States: ``warmup`` (the first ``warmup_time`` reported seconds are ignored) -> ``sampling``
 (each group is measured for at least ``sampling_confidence_time`` reported seconds and
-``min_windows`` windows, then scored) -> ``completed`` (the best group by its robust score is
-handed out for good). The default group is handed out first and is the first group sampled.
+``min_windows`` windows, stalled windows not counted, then scored) -> ``completed`` (the best
+group by its robust score is handed out for good). The default group is handed out first and
+is the first group sampled.
 
 Everything the session decides follows from what it is told: the reports and their
 ``seconds``, never a clock. It is not thread-safe; the service holds a lock per session. After
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import statistics
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +43,7 @@ from distune.space import FixedKnobs, Hyperparameters, ModelFacts, SearchSpace
 from distune.tuning_service.config import TuningConfig
 from distune.tuning_service.messages import Report, RequestError
 from distune.tuning_service.optimizer import GroupOptimizer
-from distune.tuning_service.score import robust_throughput
+from distune.tuning_service.score import Window, bounded, robust_throughput, split_stalls
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +106,8 @@ class SampleRecord:
 
     ``score`` is the sample's robust throughput (for the final row, the chosen group's score
     over all its windows); ``gain_vs_default`` compares it with the default group's score.
+    ``seconds``, ``iterations`` and ``windows`` count the scored windows only;
+    ``invalid_windows`` counts the stalled windows set aside.
     """
 
     model: str
@@ -116,6 +120,7 @@ class SampleRecord:
     iterations: int
     windows: int
     gain_vs_default: float
+    invalid_windows: int = 0
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,8 @@ class SessionView:
     best: Best | None
     default_score: float | None
     records: tuple[SampleRecord, ...]
+    #: Stalled windows set aside so far, over every sample.
+    invalid_windows: int = 0
 
     @property
     def reply(self) -> Reply:
@@ -162,6 +169,7 @@ class SessionView:
             "current": self.current.to_dict(),
             "best": None if self.best is None else self.best.to_dict(),
             "default_score": self.default_score,
+            "invalid_windows": self.invalid_windows,
         }
 
 
@@ -176,28 +184,43 @@ class StaleGroupError(Exception):
 
 
 @dataclass
-class _Measurements:
-    """Every scored window of one group, across its samples."""
+class _Windows:
+    """Scored windows (merged in pairs past the session's ``max_windows``) and how many
+    stalled ones were set aside."""
 
-    rates: list[float] = field(default_factory=list)
-    seconds: float = 0.0
-    iterations: int = 0
-    samples: int = 0
+    windows: list[Window] = field(default_factory=list)
+    invalid: int = 0
+
+    @property
+    def seconds(self) -> float:
+        return sum(w.seconds for w in self.windows)
+
+    @property
+    def iterations(self) -> int:
+        return sum(w.iterations for w in self.windows)
+
+    @property
+    def reports(self) -> int:
+        return sum(w.reports for w in self.windows)
 
     @property
     def score(self) -> float:
-        return robust_throughput(self.rates)
+        return robust_throughput([w.rate for w in self.windows])
 
 
 @dataclass
-class _Sample:
-    """The sample being measured: the current group's scored windows so far."""
+class _Measurements(_Windows):
+    """Every scored window of one group, across its samples."""
+
+    samples: int = 0
+
+
+@dataclass(kw_only=True)
+class _Sample(_Windows):
+    """The sample being measured: the current group's windows so far."""
 
     group: Group
     phase: Phase
-    rates: list[float] = field(default_factory=list)
-    seconds: float = 0.0
-    iterations: int = 0
 
 
 class TuningSession:
@@ -222,7 +245,7 @@ class TuningSession:
         self._state = State.WARMUP if config.warmup_time > 0 else State.SAMPLING
         self._warmup_seconds = 0.0
         self._group = Group(0, self.space.default)
-        self._sample = _Sample(self._group, Phase.DEFAULT)
+        self._sample = _Sample(group=self._group, phase=Phase.DEFAULT)
         # The first window after a registration or a switch is discarded: it holds the cost of
         # starting up or of applying the switch, not the group's throughput.
         self._discard_next = True
@@ -231,6 +254,7 @@ class TuningSession:
         self._records: list[SampleRecord] = []
         self._best: Best | None = None
         self._converged = False
+        self._invalid_windows = 0
         self.stale_reports = 0
         self.view = self._make_view()
 
@@ -274,26 +298,59 @@ class TuningSession:
                 "give samples in every report or in none",
             )
         sample = self._sample
-        sample.rates.append(report.rate)
-        sample.seconds += report.seconds
-        sample.iterations += report.iterations
-        if (
-            sample.seconds < self.config.sampling_confidence_time
-            or len(sample.rates) < self.config.min_windows
-        ):
+        count = report.iterations if report.samples is None else report.samples
+        sample.windows.append(Window(count, report.iterations, report.seconds))
+        if len(sample.windows) > self.config.max_windows:
+            self._set_stalls_aside()  # before merging, which would blur them into their neighbours
+            sample.windows = bounded(sample.windows, self.config.max_windows)
+        if not self._sample_complete():
+            return self.view.reply, []
+        # Stalls are judged once the sample looks complete, when the most evidence is in; the
+        # windows they leave must then still make a complete sample.
+        self._set_stalls_aside()
+        if not self._sample_complete():
             return self.view.reply, []
         records = self._finish_sample(report.train_iter)
         self.view = self._make_view()
         return self.view.reply, records
 
+    def _sample_complete(self) -> bool:
+        sample = self._sample
+        return (
+            sample.seconds >= self.config.sampling_confidence_time
+            and sample.reports >= self.config.min_windows
+        )
+
+    def _set_stalls_aside(self) -> None:
+        """Drop the current sample's stalled windows (see :func:`split_stalls`), compared with
+        the group's windows in this sample and earlier ones."""
+        sample = self._sample
+        earlier = self._measurements.get(sample.group.hyperparameters)
+        reference = [] if earlier is None else [w.rate for w in earlier.windows]
+        valid, stalled = split_stalls(sample.windows, reference, self.config.stall_fraction)
+        if stalled:
+            sample.windows = valid
+            dropped = sum(w.reports for w in stalled)
+            sample.invalid += dropped
+            self._invalid_windows += dropped
+            self.view = self._make_view()
+            logger.info(
+                "model %s group %d: %d stalled window(s) not scored (%s/s against a median "
+                "near %.4g/s)",
+                self.name,
+                sample.group.id,
+                dropped,
+                ", ".join(f"{w.rate:.4g}" for w in stalled[:5]),
+                statistics.median([*reference, *(w.rate for w in valid)]),
+            )
+
     def _finish_sample(self, train_iter: int) -> list[SampleRecord]:
         sample = self._sample
         hp = sample.group.hyperparameters
-        score = robust_throughput(sample.rates)
+        score = sample.score
         measured = self._measurements.setdefault(hp, _Measurements())
-        measured.rates += sample.rates
-        measured.seconds += sample.seconds
-        measured.iterations += sample.iterations
+        measured.windows = bounded(measured.windows + sample.windows, self.config.max_windows)
+        measured.invalid += sample.invalid
         measured.samples += 1
         if self._optimizer is not None and not self._converged:
             # The optimizer sees each group's pooled score: a re-measurement refines it.
@@ -312,8 +369,9 @@ class TuningSession:
                 train_iter=train_iter,
                 seconds=sample.seconds,
                 iterations=sample.iterations,
-                windows=len(sample.rates),
+                windows=sample.reports,
                 gain_vs_default=score / default_score - 1.0,
+                invalid_windows=sample.invalid,
             )
         ]
         self._records += records
@@ -326,7 +384,7 @@ class TuningSession:
         else:
             hp, phase = planned
             self._group = Group(self._group.id + 1, hp)
-            self._sample = _Sample(self._group, phase)
+            self._sample = _Sample(group=self._group, phase=phase)
             self._discard_next = True
         return records
 
@@ -358,8 +416,9 @@ class TuningSession:
             train_iter=train_iter,
             seconds=measured.seconds,
             iterations=measured.iterations,
-            windows=len(measured.rates),
+            windows=measured.reports,
             gain_vs_default=self._best.gain_vs_default,
+            invalid_windows=measured.invalid,
         )
 
     def _contenders_to_confirm(self) -> list[Hyperparameters]:
@@ -420,6 +479,7 @@ class TuningSession:
             best=self._best,
             default_score=None if default is None else default.score,
             records=tuple(self._records),
+            invalid_windows=self._invalid_windows,
         )
 
 

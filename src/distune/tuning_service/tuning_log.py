@@ -37,6 +37,7 @@ COLUMNS = (
     "iterations",
     "windows",
     "gain_vs_default",
+    "invalid_windows",
 )
 #: Default log file names: ``<dir>/distune_autotune_<random>.log``.
 DEFAULT_PREFIX = "distune_autotune_"
@@ -63,6 +64,7 @@ def row(record: SampleRecord) -> list[str]:
         str(record.iterations),
         str(record.windows),
         repr(record.gain_vs_default),
+        str(record.invalid_windows),
     ]
 
 

@@ -107,13 +107,16 @@ def test_robust_score_ignores_an_outlier_window():
     assert records[0].score == pytest.approx(100.0, rel=0.01)  # the mean would be 1080
 
 
-def test_robust_score_ignores_a_stalled_window():
+def test_a_stalled_window_is_set_aside_and_the_sample_measured_on():
     s = session(TuningConfig(sampling_confidence_time=3.0, warmup_time=0, seed=1))
     window(s, 100.0)
-    records = []
     for rate in (100.0, 2.0, 100.0):  # a data-loader stall in the middle
-        records += window(s, rate)[1]
+        assert window(s, rate)[1] == []  # the stall's second does not count towards the 3 s
+    records = window(s, 100.0)[1]
     assert records[0].score == pytest.approx(100.0)
+    assert records[0].windows == 3 and records[0].invalid_windows == 1
+    assert records[0].seconds == pytest.approx(3.0)
+    assert s.view.invalid_windows == 1
 
 
 def test_stale_group_report_is_refused_with_the_current_group_and_counted():
