@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # torch 2.13.0 is the CPU build on this kind of machine's disk; any torch already in the venv is kept.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test test-fast lint run clean
+.PHONY: install browser test test-fast lint run clean
 
 install: $(VENV)/.installed
 
@@ -20,10 +20,22 @@ run: install
 		--autotune_warmup_time 2 --autotune_sampling_confidence_time 2 --is_output_autotune_log \
 		examples/train_mlp.py --seconds 60
 
+# The dashboard's browser test drives Debian's chromium through chromedriver. Installed here when
+# this runs as root with apt-get; elsewhere that test skips and says why.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing chromium and chromium-driver for the dashboard's browser test"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -qq --no-install-recommends chromium chromium-driver fonts-liberation \
+			>/dev/null) \
+		|| echo "could not install chromium: the dashboard's browser test will skip"; \
+	else echo "no chromium and no root apt-get: the dashboard's browser test will skip"; fi
+
 lint: install
 	$(VENV)/bin/ruff check .
 
-test: lint
+test: lint browser
 	$(VENV)/bin/pytest
 
 test-fast: lint

@@ -18,6 +18,7 @@ from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 import distune
+from distune.tuning_service import dashboard
 from distune.tuning_service.messages import Registration, Report, RequestError
 from distune.tuning_service.openapi import openapi_document
 from distune.tuning_service.service import RegistrationError, TuningService, UnknownModelError
@@ -27,8 +28,9 @@ logger = logging.getLogger(__name__)
 
 #: Request bodies larger than this get 413.
 MAX_BODY_BYTES = 1024 * 1024
-#: Routes that answer without the bearer token.
-PUBLIC_ENDPOINTS = frozenset({"health"})
+#: Routes that answer without the bearer token: health, and the dashboard's page and files
+#: (code, no data; the page sends the token with each API call it makes).
+PUBLIC_ENDPOINTS = frozenset({"health"}) | dashboard.ENDPOINTS
 
 
 def _reject_constant(name: str) -> NoReturn:
@@ -102,6 +104,8 @@ def create_app(service: TuningService, token: str | None = None) -> Flask:
     @app.get("/api/v1/openapi.json")
     def openapi() -> Response:
         return jsonify(openapi_document(distune.__version__))
+
+    dashboard.add_dashboard(app)
 
     @app.errorhandler(RequestError)
     def bad_request(error: RequestError) -> tuple[Response, int]:

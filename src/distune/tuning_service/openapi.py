@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from distune.space import BUCKET_SIZE_2P_LIMITS, MODEL_NAME_PATTERN
+from distune.tuning_service.dashboard import ASSETS
 from distune.tuning_service.messages import MAX_COUNT, SECONDS_RANGE
 
 
@@ -288,6 +289,44 @@ def openapi_document(version: str) -> dict[str, Any]:
                     "summary": "every model's tuning state",
                     "operationId": "status",
                     "responses": {"200": _json(_ref("Status"), "per model")} | _errors(401),
+                }
+            },
+            "/": {
+                "get": {
+                    "summary": "the live dashboard page; it asks for the token if one is needed",
+                    "operationId": "dashboard",
+                    "security": [],
+                    "responses": {
+                        "200": {
+                            "description": "an HTML page polling /status and each model's /log",
+                            "content": {"text/html": {"schema": {"type": "string"}}},
+                        }
+                    },
+                }
+            },
+            "/dashboard/{asset}": {
+                "get": {
+                    "summary": "the dashboard page's script and style",
+                    "operationId": "dashboard_asset",
+                    "security": [],
+                    "parameters": [
+                        {
+                            "name": "asset",
+                            "in": "path",
+                            "required": True,
+                            "schema": {"type": "string", "enum": sorted(ASSETS)},
+                        }
+                    ],
+                    "responses": {
+                        "200": {
+                            "description": "the file",
+                            "content": {
+                                media: {"schema": {"type": "string"}}
+                                for media in sorted(set(ASSETS.values()))
+                            },
+                        },
+                        "404": _json(_ref("Error"), "the dashboard has no such file"),
+                    },
                 }
             },
             "/api/v1/openapi.json": {

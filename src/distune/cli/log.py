@@ -1,0 +1,107 @@
+"""``distune log LOG``: a summary of a CSV tuning log, one row per model, printed by pandas.
+
+For each model: whether tuning completed, how many groups were sampled, the best group (the
+chosen one once completed) with its score and gain over the default group, the default group's
+score, the seconds of training the samples measured, and the training iteration at which the
+choice was made. ``--samples`` adds each model's samples, one row each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+from distune.cli.wording import describe_hyperparameters, format_gain, format_rate
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from distune.cli.log_reader import ModelRun
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Add ``log`` to the ``distune`` command's subcommands."""
+    parser = commands.add_parser(
+        "log",
+        help="summarize a CSV tuning log: best group, gain, samples, time spent",
+        description="Summarize a tuning log (--autotune_log_file, or one copied from another "
+        "machine): per model, the best group, its gain over the default group, the samples "
+        "taken and the training time they measured.",
+    )
+    parser.add_argument("log", metavar="LOG", help="the CSV tuning log")
+    parser.add_argument("--samples", action="store_true", help="also list every sample")
+    parser.set_defaults(run=run)
+
+
+def summary(runs: list[ModelRun]) -> pd.DataFrame:
+    """One row per model: the summary ``distune log`` prints."""
+    import pandas as pd
+
+    rows = []
+    for run in runs:
+        best = run.best
+        rows.append(
+            {
+                "model": run.name,
+                "state": "completed" if run.choice is not None else "not completed",
+                "samples": len(run.samples),
+                "best group": describe_hyperparameters(
+                    best["bucket_size_2p"], best["is_hierarchical_reduce"]
+                ),
+                "score": format_rate(best["score"]),
+                "gain vs default": format_gain(best["gain_vs_default"]),
+                "default score": format_rate(run.default_score),
+                "measured": f"{run.measured_seconds:.1f} s",
+                "chosen at iteration": (
+                    "-" if run.choice is None else str(int(run.choice["train_iter"]))
+                ),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def samples(run: ModelRun) -> pd.DataFrame:
+    """One row per sample of ``run``: what ``--samples`` prints."""
+    frame = run.samples
+    return frame.assign(
+        group=[
+            describe_hyperparameters(p, h)
+            for p, h in zip(frame["bucket_size_2p"], frame["is_hierarchical_reduce"], strict=True)
+        ],
+        score=frame["score"].map(format_rate),
+        gain=frame["gain_vs_default"].map(format_gain),
+        best=run.running_best.map(format_rate),
+        seconds=frame["seconds"].map(lambda s: f"{s:.2f}"),
+    )[["sample", "phase", "group", "score", "gain", "best", "train_iter", "seconds"]].rename(
+        columns={"best": "running best", "train_iter": "at iteration"}
+    )
+
+
+def to_text(frame: pd.DataFrame) -> str:
+    """``frame`` as a text table, words aligned left and numbers right."""
+    from pandas.api.types import is_numeric_dtype
+
+    widths = {
+        column: max(len(column), *(len(value) for value in frame[column]))
+        for column in frame.columns
+        if not is_numeric_dtype(frame[column])
+    }
+    # pandas right-aligns text cells (and strips padding added before); a formatter's stays.
+    formatters = {column: (lambda v, w=width: v.ljust(w)) for column, width in widths.items()}
+    return frame.to_string(index=False, justify="left", formatters=formatters)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``distune log``; LogError when the file is not a readable tuning log."""
+    from distune.cli.log_reader import read_log  # pandas loads for the commands that need it
+
+    runs = read_log(args.log)
+    out = sys.stdout
+    print(f"tuning log {args.log}: {len(runs)} model{'s' if len(runs) != 1 else ''}", file=out)
+    print(to_text(summary(runs)), file=out)
+    if args.samples:
+        for model_run in runs:
+            print(f"\n{model_run.name}:", file=out)
+            print(to_text(samples(model_run)), file=out)
+    return 0

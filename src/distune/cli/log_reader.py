@@ -1,0 +1,138 @@
+"""A CSV tuning log read into pandas: one :class:`ModelRun` per model, for ``plot`` and ``log``.
+
+The log is the service's (``--autotune_log_file``, or ``/api/v1/models/<name>/log`` saved to a
+file): Bagua's four columns first, then ``model,sample,group_id,phase,seconds,iterations,
+windows,gain_vs_default``; one row per sampled group and, once a model's tuning completes, one
+row of phase ``completed`` holding the chosen group. Several models may share one log. Nothing
+in it depends on the machine that wrote it, so a copied log reads the same anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from distune.cli import CommandError
+
+#: The columns the commands read, with how each is parsed; a log has these and more.
+NUMERIC_COLUMNS = ("bucket_size_2p", "score", "train_iter", "sample", "seconds", "gain_vs_default")
+TEXT_COLUMNS = ("is_hierarchical_reduce", "model", "phase")
+#: All of them, in the log's order.
+REQUIRED_COLUMNS = (
+    "bucket_size_2p",
+    "is_hierarchical_reduce",
+    "score",
+    "train_iter",
+    "model",
+    "sample",
+    "phase",
+    "seconds",
+    "gain_vs_default",
+)
+#: The phase of a model's final row, and of its first sample (the default group).
+COMPLETED = "completed"
+DEFAULT = "default"
+
+
+class LogError(CommandError):
+    """The file is not a readable tuning log; the message names the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class ModelRun:
+    """One model's rows of a tuning log."""
+
+    name: str
+    #: The sampled groups, in sample order (phases default, initial, bayes, confirm).
+    samples: pd.DataFrame
+    #: The ``completed`` row (the chosen group), or None while tuning goes on.
+    choice: pd.Series | None
+
+    @property
+    def default_score(self) -> float:
+        """The default group's score: its sample's, else implied by any sample's gain."""
+        default = self.samples[self.samples["phase"] == DEFAULT]
+        if len(default):
+            return float(default["score"].iloc[0])
+        first = self.samples.iloc[0]
+        return float(first["score"] / (1.0 + first["gain_vs_default"]))
+
+    @property
+    def running_best(self) -> pd.Series:
+        """The best score measured up to each sample."""
+        return self.samples["score"].cummax()
+
+    @property
+    def best(self) -> pd.Series:
+        """The chosen group's row once completed; until then, the highest-scoring sample."""
+        if self.choice is not None:
+            return self.choice
+        return self.samples.loc[self.samples["score"].idxmax()]
+
+    @property
+    def measured_seconds(self) -> float:
+        """Seconds of training measured across the samples (the job's own clock)."""
+        return float(self.samples["seconds"].sum())
+
+
+def read_log(path: str | os.PathLike[str]) -> list[ModelRun]:
+    """The models of the tuning log at ``path``, in the order they first appear."""
+    path = Path(path)
+    try:
+        frame = pd.read_csv(path, dtype=str, keep_default_na=False, encoding="utf-8-sig")
+    except FileNotFoundError:
+        raise LogError(f"no tuning log at {path}") from None
+    except IsADirectoryError:
+        raise LogError(f"{path} is a directory, not a tuning log") from None
+    except pd.errors.EmptyDataError:
+        raise LogError(f"{path} is empty, not a tuning log") from None
+    except (OSError, UnicodeDecodeError, pd.errors.ParserError) as error:
+        reason = getattr(error, "strerror", None) or " ".join(str(error).split())
+        raise LogError(f"cannot read the tuning log {path}: {reason}") from None
+    missing = [c for c in REQUIRED_COLUMNS if c not in frame.columns]
+    if missing:
+        columns = "columns" if len(missing) > 1 else "column"
+        raise LogError(
+            f"{path} is not a distune tuning log: it lacks the {columns} {', '.join(missing)} "
+            f"(a distune log's header starts {','.join(REQUIRED_COLUMNS[:6])})"
+        )
+    frame = _parsed(frame, path)
+    if frame.empty:
+        raise LogError(f"{path} holds no sample yet")
+    runs = []
+    for name in frame["model"].unique():
+        rows = frame[frame["model"] == name]
+        samples = rows[rows["phase"] != COMPLETED].sort_values("sample", kind="stable")
+        choices = rows[rows["phase"] == COMPLETED]
+        if samples.empty:
+            raise LogError(f"{path}: model {name} has a completed row but no sample")
+        choice = choices.iloc[-1] if len(choices) else None
+        runs.append(ModelRun(str(name), samples.reset_index(drop=True), choice))
+    return runs
+
+
+def _parsed(frame: pd.DataFrame, path: Path) -> pd.DataFrame:
+    """``frame`` with typed columns; LogError naming the first bad line otherwise."""
+    frame = frame.copy()
+    for column in NUMERIC_COLUMNS:
+        values = pd.to_numeric(frame[column], errors="coerce")
+        _check(frame, column, values.abs() < float("inf"), path)  # False for NaN too
+        frame[column] = values
+    flags = frame["is_hierarchical_reduce"].map({"True": True, "False": False})
+    _check(frame, "is_hierarchical_reduce", flags.notna(), path)
+    frame["is_hierarchical_reduce"] = flags.astype(bool)
+    for column in ("bucket_size_2p", "train_iter", "sample"):
+        _check(frame, column, frame[column] == frame[column].round(), path)
+        frame[column] = frame[column].astype("int64")
+    return frame
+
+
+def _check(frame: pd.DataFrame, column: str, good: pd.Series, path: Path) -> None:
+    if good.all():
+        return
+    index = int((~good).to_numpy().nonzero()[0][0])
+    line = index + 2  # the header is line 1
+    raise LogError(f"{path} line {line}: bad {column} value {frame[column].iloc[index]!r}")

@@ -1,0 +1,141 @@
+"""``distune status``: every model's tuning state, from a running service's ``/api/v1/status``.
+
+A table by default, one row per model: its state, samples taken of the most it may take, the
+group running now, and the best group (the choice, once completed) with its score and its gain
+over the default group::
+
+    MODEL   STATE     SAMPLES  CURRENT                      BEST                         SCORE  ...
+    model0  sampling  4/20     bucket 2^22 B (4 MiB), flat  bucket 2^20 B (1 MiB), flat  12.31 it/s
+
+``--watch`` redraws it in place every ``--interval`` seconds until Ctrl-C; ``--json`` prints the
+raw status document instead, one line per poll, for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import sys
+import time
+from typing import Any, TextIO
+
+from distune.cli.service_client import SERVICE_TOKEN_FILE, ServiceConnection
+from distune.cli.wording import describe_group, format_gain, format_rate
+from distune.worker_settings import SERVICE_TOKEN, SERVICE_URL
+
+HEADER = ("MODEL", "STATE", "SAMPLES", "CURRENT", "BEST", "SCORE", "GAIN")
+#: Terminal control: cursor home, then clear to the end of the screen.
+_REDRAW = "\x1b[H\x1b[J"
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Add ``status`` to the ``distune`` command's subcommands."""
+    parser = commands.add_parser(
+        "status",
+        help="the tuning state of every model, from a running tuning service",
+        description="Print every model's tuning state: state, samples taken of the most, the "
+        "group running now, the best group with its score and gain over the default group.",
+    )
+    parser.add_argument(
+        "--service",
+        metavar="URL",
+        help=f"the tuning service, e.g. http://127.0.0.1:29500 (default: ${SERVICE_URL})",
+    )
+    token = parser.add_mutually_exclusive_group()
+    token.add_argument(
+        "--token",
+        help=f"the service's bearer token (default: ${SERVICE_TOKEN}); other users can see "
+        "command lines, so prefer the environment or --token-file",
+    )
+    token.add_argument(
+        "--token-file",
+        "--token_file",
+        metavar="FILE",
+        help=f"read the token from FILE, which only you may read (default: ${SERVICE_TOKEN_FILE})",
+    )
+    parser.add_argument(
+        "--watch", action="store_true", help="redraw every --interval seconds until Ctrl-C"
+    )
+    parser.add_argument(
+        "--interval",
+        metavar="S",
+        type=_positive_seconds,
+        default=2.0,
+        help="seconds between two polls with --watch (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print the raw status JSON, one line per poll"
+    )
+    parser.set_defaults(run=run)
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0.1 <= value <= 3600):
+        raise argparse.ArgumentTypeError(f"must be seconds in [0.1, 3600], got {text!r}")
+    return value
+
+
+def format_table(status: dict[str, Any]) -> str:
+    """The status document as an aligned text table, one row per model, sorted by name."""
+    models = status.get("models") or {}
+    if not models:
+        return "no model has registered with the tuning service yet"
+    rows = [HEADER]
+    for name, model in sorted(models.items()):
+        best = model.get("best") or {}
+        rows.append(
+            (
+                name,
+                str(model.get("state", "?")),
+                f"{model.get('samples', '?')}/{model.get('max_samples', '?')}",
+                describe_group(model.get("current")),
+                describe_group(best.get("group")) if best else "-",
+                format_rate(best.get("score")),
+                format_gain(best.get("gain_vs_default")),
+            )
+        )
+    widths = [max(len(row[column]) for row in rows) for column in range(len(HEADER))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def show(connection: ServiceConnection, as_json: bool, out: TextIO) -> None:
+    """Print the status once."""
+    status = connection.status()
+    print(json.dumps(status) if as_json else format_table(status), file=out, flush=True)
+
+
+def watch(connection: ServiceConnection, interval: float, as_json: bool, out: TextIO) -> None:
+    """Print the status every ``interval`` seconds until Ctrl-C (or the service is gone: then
+    ServiceError). On a terminal the table is redrawn in place; elsewhere each poll is appended
+    under a time stamp."""
+    redraw = out.isatty() and not as_json
+    while True:
+        status = connection.status()
+        if as_json:
+            text = json.dumps(status)
+        else:
+            stamp = time.strftime("%H:%M:%S")
+            heading = f"{connection.url} at {stamp}, every {interval:g} s (Ctrl-C to stop)"
+            text = f"{_REDRAW if redraw else ''}{heading}\n\n{format_table(status)}\n"
+        print(text, file=out, flush=True)
+        time.sleep(interval)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``distune status``; ServiceError when the service cannot be asked."""
+    connection = ServiceConnection.resolve(args.service, args.token, args.token_file)
+    if not args.watch:
+        show(connection, args.json, sys.stdout)
+        return 0
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a watch ends
+        watch(connection, args.interval, args.json, sys.stdout)
+    return 0

@@ -1,0 +1,195 @@
+"""``distune log`` and ``distune plot`` on a log the real service wrote for a scripted two-model
+run (and on copies of it: moved, with Windows line ends, cut short, damaged)."""
+
+import math
+import shutil
+
+import matplotlib.image
+import numpy as np
+import pytest
+
+from distune.cli.log_reader import read_log
+from distune.cli.main import main
+from distune.tuning_service.config import TuningConfig
+from distune.tuning_service.messages import Registration, Report
+from distune.tuning_service.service import TuningService
+from distune.tuning_service.session import StaleGroupError
+from distune.tuning_service.tuning_log import COLUMNS, TuningLog
+
+FACTS = {"world_size": 2, "nnodes": 1, "local_world_size": 2, "gradient_bytes": 2**24}
+#: Iterations per second of each model's synthetic job, by bucket_size_2p: best at 2^20.
+MODELS = {
+    "gpt": lambda p: 60.0 + 40.0 * math.exp(-(((p - 20) / 2.5) ** 2)),
+    "mlp": lambda p: 30.0 + 20.0 * math.exp(-(((p - 20) / 2.5) ** 2)),
+}
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """(the log's path, the service's final status) of a completed two-model run."""
+    path = tmp_path_factory.mktemp("log") / "autotune.log"
+    log = TuningLog.create(path)
+    config = TuningConfig(
+        max_samples=6, sampling_confidence_time=1.0, min_windows=2, warmup_time=1.0, seed=0
+    )
+    service = TuningService(config, log)
+    for name, rate in MODELS.items():
+        reply, train_iter = service.register(name, Registration.from_json(FACTS)), 0
+        while not reply.completed:
+            iterations = round(rate(reply.group.hyperparameters.bucket_size_2p) * 0.5)
+            train_iter += iterations
+            try:
+                reply = service.report(name, Report(reply.group.id, train_iter, iterations, 0.5))
+            except StaleGroupError as error:
+                reply = error.reply
+    log.close()
+    return path, service.status()["models"]
+
+
+def test_the_reader_knows_the_columns_the_service_writes():
+    from distune.cli.log_reader import NUMERIC_COLUMNS, REQUIRED_COLUMNS, TEXT_COLUMNS
+
+    assert set(NUMERIC_COLUMNS) | set(TEXT_COLUMNS) == set(REQUIRED_COLUMNS)
+    assert [c for c in COLUMNS if c in REQUIRED_COLUMNS] == list(REQUIRED_COLUMNS)
+    assert COLUMNS[:4] == ("bucket_size_2p", "is_hierarchical_reduce", "score", "train_iter")
+
+
+def test_read_log_splits_models_and_finds_each_choice(recorded):
+    path, status = recorded
+    runs = read_log(path)
+    assert [run.name for run in runs] == list(MODELS)
+    for run in runs:
+        model = status[run.name]
+        assert len(run.samples) == model["samples"]
+        assert list(run.samples["sample"]) == list(range(1, model["samples"] + 1))
+        assert run.samples["phase"].iloc[0] == "default"
+        assert run.default_score == pytest.approx(model["default_score"])
+        hp = model["best"]["group"]["hyperparameters"]
+        assert run.choice["bucket_size_2p"] == hp["bucket_size_2p"]
+        assert run.choice["score"] == pytest.approx(model["best"]["score"])
+        assert run.running_best.is_monotonic_increasing
+        assert run.running_best.iloc[-1] == run.samples["score"].max()
+
+
+def test_distune_log_summarizes_each_model(recorded, capsys):
+    path, status = recorded
+    assert main(["log", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"tuning log {path}: 2 models"
+    assert lines[1].split()[:4] == ["model", "state", "samples", "best"]
+    for line, (name, model) in zip(lines[2:], sorted(status.items()), strict=True):
+        best = model["best"]
+        bucket = best["group"]["hyperparameters"]["bucket_size_2p"]
+        assert line.split()[:3] == [name, "completed", str(model["samples"])]
+        assert f"bucket 2^{bucket} B" in line
+        assert f"{best['score']:.4g} it/s" in line
+        assert f"{best['gain_vs_default']:+.1%}" in line
+        assert f"{model['default_score']:.4g} it/s" in line
+        # Time spent: the seconds the samples measured, the job's own clock.
+        measured = sum(
+            float(row.split(",")[8])
+            for row in path.read_text().splitlines()[1:]
+            if f",{name}," in row and ",completed," not in row
+        )
+        assert f"{measured:.1f} s" in line
+
+
+def test_distune_log_samples_lists_every_sample_with_the_running_best(recorded, capsys):
+    path, status = recorded
+    assert main(["log", str(path), "--samples"]) == 0
+    out = capsys.readouterr().out
+    section = out.split("\ngpt:\n")[1].split("\n\n")[0].splitlines()
+    assert section[0].split()[:4] == ["sample", "phase", "group", "score"]
+    assert len(section) == 1 + status["gpt"]["samples"]
+    assert section[1].split()[:2] == ["1", "default"]
+    best = [float(line.split(" it/s")[1].split()[-1]) for line in section[1:]]
+    assert best == sorted(best)
+
+
+def test_a_log_copied_elsewhere_with_windows_line_ends_plots_the_same(
+    recorded, tmp_path, monkeypatch, capsys
+):
+    path, _ = recorded
+    copy = tmp_path / "copied" / "from-node0.log"
+    copy.parent.mkdir()
+    copy.write_bytes(path.read_bytes().replace(b"\n", b"\r\n"))
+    assert [r.samples.to_dict() for r in read_log(copy)] == [
+        r.samples.to_dict() for r in read_log(path)
+    ]
+    monkeypatch.chdir(tmp_path)
+    assert main(["plot", str(copy)]) == 0
+    assert capsys.readouterr().out == "wrote from-node0.png\n"
+    assert (tmp_path / "from-node0.png").stat().st_size > 0
+
+
+def test_distune_plot_draws_a_png_of_sane_size_with_a_panel_per_model(recorded, tmp_path, capsys):
+    path, _ = recorded
+    image = tmp_path / "run.png"
+    assert main(["plot", str(path), "-o", str(image)]) == 0
+    assert capsys.readouterr().out == f"wrote {image}\n"
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert 20_000 < image.stat().st_size < 1_000_000
+    pixels = matplotlib.image.imread(image)
+    # 10 x 3.6 inches per model at 100 dpi: two models stack two panels.
+    assert pixels.shape[:2] == (720, 1000)
+    # Drawn, not blank: many colours, and the chosen group's gold star among them.
+    assert pixels[..., :3].std() > 0.05
+    gold = np.all(np.abs(pixels[..., :3] - np.array([1.0, 0.843, 0.0])) < 0.02, axis=-1)
+    assert gold.sum() > 100
+
+
+def test_a_run_still_tuning_shows_its_best_sample_so_far(recorded, tmp_path, capsys):
+    path, _ = recorded
+    rows = path.read_text().splitlines()
+    partial = tmp_path / "partial.log"
+    # The job was killed after gpt's fourth sample: no completed row, no mlp yet.
+    partial.write_text("\n".join(rows[:5]) + "\n")
+    assert main(["log", str(partial)]) == 0
+    summary = capsys.readouterr().out.splitlines()[2]
+    assert summary.split()[:4] == ["gpt", "not", "completed", "4"]
+    assert summary.split()[-1] == "-"  # chosen at no iteration
+    (run,) = read_log(partial)
+    assert run.choice is None and run.best["score"] == run.samples["score"].max()
+    assert main(["plot", str(partial), "-o", str(tmp_path / "partial.png")]) == 0
+    assert (tmp_path / "partial.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "no tuning log at"),
+        ("", "is empty, not a tuning log"),
+        (
+            "bucket_size_2p,is_hierarchical_reduce,score,train_iter\n22,False,1.0,5\n",
+            "it lacks the columns model, sample, phase, seconds, gain_vs_default",
+        ),
+        (",".join(COLUMNS) + "\n", "holds no sample yet"),
+    ],
+)
+def test_files_that_are_not_tuning_logs_are_one_line_errors(content, message, tmp_path, capsys):
+    path = tmp_path / "x.log"
+    if content is not None:
+        path.write_text(content)
+    for command in ("log", "plot"):
+        assert main([command, str(path)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"distune {command}: ") and message in err and err.count("\n") == 1
+
+
+def test_a_damaged_row_is_named_by_its_line(recorded, tmp_path, capsys):
+    path, _ = recorded
+    rows = path.read_text().splitlines()
+    rows[3] = rows[3].replace(rows[3].split(",")[2], "fast", 1)
+    damaged = tmp_path / "damaged.log"
+    damaged.write_text("\n".join(rows) + "\n")
+    assert main(["log", str(damaged)]) == 1
+    assert f"{damaged} line 4: bad score value 'fast'" in capsys.readouterr().err
+
+
+def test_plot_refuses_to_overwrite_its_log(recorded, tmp_path, monkeypatch, capsys):
+    path, _ = recorded
+    monkeypatch.chdir(tmp_path)
+    log = tmp_path / "run.png"
+    shutil.copy(path, log)
+    assert main(["plot", str(log)]) == 1
+    assert "would overwrite the log itself" in capsys.readouterr().err
