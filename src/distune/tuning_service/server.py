@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType
 
@@ -175,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     except (BestFileError, LogFileError) as error:
         parser.error(str(error))
     token = os.environ.get(SERVICE_TOKEN) or None
-    app = create_app(TuningService(config, log, best_path), token=token)
+    # One worker chooses next groups (Gaussian-process fits) off the request path.
+    decisions = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distune-decisions")
+    app = create_app(TuningService(config, log, best_path, decisions), token=token)
     try:
         server = create_server(
             app,
@@ -216,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         server.run()
     finally:
         server.close()
+        # A choice being made finishes (its log row is written); queued ones are dropped.
+        decisions.shutdown(wait=True, cancel_futures=True)
         if log is not None:
             log.close()
     return 0

@@ -2,15 +2,23 @@
 log and the best-file.
 
 Locks: one for the table of sessions (held only to look a session up or add one), and one per
-session (held while a report is accounted, which may fit the Gaussian process). Readers of
-``/status`` and ``/hyperparameters`` take each session's published snapshot and wait on
-neither, so they answer in microseconds whatever the sessions are doing.
+session (held while a report is accounted). Readers of ``/status`` and ``/hyperparameters``
+take each session's published snapshot and wait on neither, so they answer in microseconds
+whatever the sessions are doing.
+
+Choosing the next group after a finished sample may fit the Gaussian process (tens of
+milliseconds). Given an executor (``decisions``; the server gives it one worker thread), the
+service does that off the request path: the report that finished the sample is answered at
+once with the current group, and the worker publishes the next one when it is chosen (the job
+learns it from its next poll, or from the 409 of its next report). Without one, the report
+that finishes a sample waits for the choice, which keeps tests simple.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,10 +56,12 @@ class TuningService:
         config: TuningConfig | None = None,
         log: TuningLog | None = None,
         best_path: Path | None = None,
+        decisions: Executor | None = None,
     ) -> None:
         self.config = TuningConfig() if config is None else config
         self.log = log
         self.best_path = best_path
+        self._decisions = decisions
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
         self._best_lock = threading.Lock()
@@ -94,10 +104,27 @@ class TuningService:
         group is not current) or RequestError (an inconsistent window)."""
         entry = self._entry(name)
         with entry.lock:
-            reply, records = entry.session.report(report)
+            reply, records = entry.session.report(report, decide=self._decisions is None)
             if records:
                 self._record(entry.session, records)
+                if entry.session.deciding:
+                    assert self._decisions is not None
+                    self._decisions.submit(self._decide, entry)
         return reply
+
+    def _decide(self, entry: _Entry) -> None:
+        """Choose and apply a session's next group (in the decisions executor)."""
+        session = entry.session
+        try:
+            # Outside the lock: reports are answered meanwhile, and touch nothing it reads.
+            choice = session.choose_next()
+            with entry.lock:
+                records = session.apply(choice)
+                if records:
+                    self._record(session, records)
+        except Exception:
+            # A bug, not bad input; the job keeps the group it has.
+            logger.exception("model %s: choosing the next group failed", session.name)
 
     def hyperparameters(self, name: str) -> Reply:
         """The group ``name`` should run now."""

@@ -9,8 +9,15 @@ is the first group sampled.
 Everything the session decides follows from what it is told: the reports and their
 ``seconds``, never a clock. It is not thread-safe; the service holds a lock per session. After
 every change it publishes an immutable :class:`SessionView`, which readers (``/status``,
-``/hyperparameters``) take without waiting for that lock, so they stay fast while a report
-is fitting the Gaussian process.
+``/hyperparameters``) take without waiting for that lock.
+
+When a sample finishes, choosing the next group may fit the Gaussian process (tens of
+milliseconds). ``report(..., decide=False)`` leaves that choice pending, so the report that
+finished the sample is answered at once; the service then runs :meth:`TuningSession.choose_next`
+in a background worker (without the session's lock: while a choice is pending, reports touch
+nothing it reads) and :meth:`TuningSession.apply` under the lock. Windows reported meanwhile
+belong to a finished sample and are not scored, so the choice depends on the reports alone,
+never on how long it took: ``report(...)`` (``decide=True``) makes the same choices inline.
 
 How the next group is chosen (:meth:`TuningSession._next_sample`), in order:
 
@@ -255,8 +262,15 @@ class TuningSession:
         self._best: Best | None = None
         self._converged = False
         self._invalid_windows = 0
+        # train_iter of the report that finished the sample whose successor is being chosen.
+        self._pending: int | None = None
         self.stale_reports = 0
         self.view = self._make_view()
+
+    @property
+    def deciding(self) -> bool:
+        """Whether a finished sample awaits the choice of the next group (see the module)."""
+        return self._pending is not None
 
     def register(self) -> Reply:
         """A re-registration (a restarted job): tuning resumes where it was. The next window
@@ -265,9 +279,10 @@ class TuningSession:
             self._discard_next = True
         return self.view.reply
 
-    def report(self, report: Report) -> tuple[Reply, list[SampleRecord]]:
+    def report(self, report: Report, decide: bool = True) -> tuple[Reply, list[SampleRecord]]:
         """Account one report window; returns the reply and the log rows it produced (a finished
-        sample, and the final choice if the session completed).
+        sample, and the final choice if the session completed). With ``decide`` False, a
+        finished sample leaves the next group to :meth:`choose_next` and :meth:`apply`.
 
         Raises StaleGroupError for a group that is not current, and RequestError for a window
         that counts samples where earlier ones did not (or the other way around).
@@ -275,8 +290,8 @@ class TuningSession:
         if report.group_id != self._group.id:
             self.stale_reports += 1
             raise StaleGroupError(report.group_id, self.view.reply)
-        if self._state is State.COMPLETED:
-            return self.view.reply, []
+        if self._state is State.COMPLETED or self._pending is not None:
+            return self.view.reply, []  # nothing left to measure, or the sample is over
         if self._state is State.WARMUP:
             self._discard_next = False  # warmup ignores windows anyway
             self._warmup_seconds += report.seconds
@@ -311,8 +326,36 @@ class TuningSession:
         if not self._sample_complete():
             return self.view.reply, []
         records = self._finish_sample(report.train_iter)
-        self.view = self._make_view()
+        if decide:
+            records += self.apply(self.choose_next())
         return self.view.reply, records
+
+    def choose_next(self) -> tuple[Hyperparameters, Phase] | None:
+        """The group to sample after the finished one and why, or None to complete; may fit
+        the Gaussian process. Reads and changes only what reports leave alone while a choice
+        is pending, so it may run outside the session's lock; give the result to :meth:`apply`.
+        """
+        if self._pending is None:
+            raise RuntimeError(f"model {self.name}: no finished sample awaits a choice")
+        return self._next_sample()
+
+    def apply(self, choice: tuple[Hyperparameters, Phase] | None) -> list[SampleRecord]:
+        """Switch to the chosen group, or complete (the returned log row is the final choice)."""
+        if self._pending is None:
+            raise RuntimeError(f"model {self.name}: no finished sample awaits a choice")
+        train_iter, self._pending = self._pending, None
+        records = []
+        if choice is None:
+            final = self._complete(train_iter)
+            self._records.append(final)
+            records.append(final)
+        else:
+            hp, phase = choice
+            self._group = Group(self._group.id + 1, hp)
+            self._sample = _Sample(group=self._group, phase=phase)
+            self._discard_next = True
+        self.view = self._make_view()
+        return records
 
     def _sample_complete(self) -> bool:
         sample = self._sample
@@ -376,16 +419,8 @@ class TuningSession:
         ]
         self._records += records
         self._best = self._best_so_far()
-        planned = self._next_sample()
-        if planned is None:
-            final = self._complete(train_iter)
-            self._records.append(final)
-            records.append(final)
-        else:
-            hp, phase = planned
-            self._group = Group(self._group.id + 1, hp)
-            self._sample = _Sample(group=self._group, phase=phase)
-            self._discard_next = True
+        self._pending = train_iter
+        self.view = self._make_view()
         return records
 
     def _best_so_far(self) -> Best:

@@ -34,6 +34,7 @@ class SessionMachine(RuleBasedStateMachine):
 
     @initialize(
         counts_samples=st.booleans(),
+        inline=st.booleans(),
         facts=st.sampled_from(TOPOLOGIES),
         fixed=st.sampled_from([FixedKnobs(), FixedKnobs(is_hierarchical_reduce=False)]),
         max_samples=st.integers(1, 6),
@@ -45,7 +46,16 @@ class SessionMachine(RuleBasedStateMachine):
         max_windows=st.sampled_from([8, 256]),
     )
     def create(
-        self, counts_samples, facts, fixed, max_samples, warmup, confidence, min_windows, **rest
+        self,
+        counts_samples,
+        inline,
+        facts,
+        fixed,
+        max_samples,
+        warmup,
+        confidence,
+        min_windows,
+        **rest,
     ):
         config = TuningConfig(
             max_samples=max_samples,
@@ -60,6 +70,8 @@ class SessionMachine(RuleBasedStateMachine):
         self.session = TuningSession("m", facts, fixed, config)
         self.config = config
         self.counts_samples = counts_samples
+        # Choose next groups inline, or leave them pending as the service's worker does.
+        self.inline = inline
         self.previous = self.session.view
         self.completed_view = None
 
@@ -69,6 +81,17 @@ class SessionMachine(RuleBasedStateMachine):
         assert reply == self.session.view.reply
 
     @rule()
+    def choose_pending(self):
+        """The service's worker: choose and apply the next group, if one is pending."""
+        if not self.session.deciding:
+            return
+        before = self.session.view
+        records = self.session.apply(self.session.choose_next())
+        after = self.session.view
+        assert after.records == before.records + tuple(records)
+        assert not self.session.deciding
+
+    @rule()
     def ask(self):
         assert self.session.view.reply.group == self.session.view.current
 
@@ -76,13 +99,16 @@ class SessionMachine(RuleBasedStateMachine):
         seconds=SECONDS,
         rate=st.floats(80.0, 120.0),
         train_iter=st.integers(0, MAX_COUNT),
+        windows=st.integers(1, 4),
     )
-    def steady_report(self, seconds, rate, train_iter):
-        """A plausible window of the current group: any length, a rate near 100/s."""
+    def steady_reports(self, seconds, rate, train_iter, windows):
+        """Plausible windows of the current group: any length, a rate near 100/s."""
         count = max(1, min(MAX_COUNT, round(rate * seconds)))
         seconds = min(max(count / rate, SECONDS_RANGE[0]), SECONDS_RANGE[1])
         samples = count if self.counts_samples else None
-        self._report(Report(self.session.view.current.id, train_iter, count, seconds, samples))
+        for _ in range(windows):
+            group_id = self.session.view.current.id
+            self._report(Report(group_id, train_iter, count, seconds, samples))
 
     @rule(
         stale=st.integers(0, 3).map(lambda i: i == 0),
@@ -101,7 +127,7 @@ class SessionMachine(RuleBasedStateMachine):
         before = self.session.view
         group_id = report.group_id
         try:
-            reply, records = self.session.report(report)
+            reply, records = self.session.report(report, decide=self.inline)
         except StaleGroupError as error:
             assert group_id != before.current.id
             assert error.reply == before.reply
@@ -139,7 +165,10 @@ class SessionMachine(RuleBasedStateMachine):
         # Coverage, shown by --hypothesis-show-statistics.
         event(f"reached {view.state.value}")
         event(f"{view.samples} samples")
+        if self.inline:
+            assert not self.session.deciding
         if view.state is State.COMPLETED:
+            assert not self.session.deciding
             assert view.records[-1].phase is Phase.COMPLETED
             assert view.best.group == view.current == view.records[-1].group
             if self.completed_view is None:
