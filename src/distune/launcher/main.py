@@ -10,9 +10,7 @@ status, stop the service and print the summary. The exit code is the workers'.
 from __future__ import annotations
 
 import os
-import signal
 import sys
-from types import FrameType
 
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing import SignalException
@@ -22,14 +20,8 @@ from distune.launcher.options import OptionError, parse
 from distune.launcher.plan import LaunchPlan, plan_launch
 from distune.launcher.progress import ProgressMonitor
 from distune.launcher.service_process import ServiceStartError, TuningServiceProcess
+from distune.launcher.stop_signals import StopSignals
 from distune.launcher.summary import format_summary
-
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
-def _raise_signal(signum: int, frame: FrameType | None) -> None:
-    # The same exception torch's elastic agent raises once it runs, so one handler covers both.
-    raise SignalException(f"distune-run got {signal.Signals(signum).name}", signal.Signals(signum))
 
 
 def _failure_exit_code(error: ChildFailedError) -> int:
@@ -56,19 +48,26 @@ def main(argv: list[str] | None = None) -> int:
     except OptionError as error:
         print(f"distune-run: error: {error}", file=sys.stderr)
         return 2
-    for stop_signal in _STOP_SIGNALS:
-        signal.signal(stop_signal, _raise_signal)
+    stop_signals = StopSignals()
+    stop_signals.install()
 
     service: TuningServiceProcess | None = None
     monitor: ProgressMonitor | None = None
+
+    def emergency_stop() -> None:
+        if service is not None:
+            service.stop()
+
     try:
         if plan.starts_service:
             assert plan.token is not None
             service = TuningServiceProcess.start(list(plan.service_args), plan.token)
-            plan = plan.with_service_url(service.url)
+            plan = plan.with_service_port(service.port)
             print(f"distune: tuning service at {service.url} (pid {service.pid})", flush=True)
             monitor = ProgressMonitor(service, quiet=options.autotune_quiet)
             monitor.start()
+        # Threads start only now: the service's start-up (preexec_fn) needs a thread-free fork.
+        stop_signals.watch(emergency_stop, helpers=() if service is None else (service.pid,))
         return _run_workers(args, plan)
     except ServiceStartError as error:
         print(f"distune-run: error: tuning service: {error}", file=sys.stderr)
@@ -77,14 +76,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"distune-run: stopping on {error.sigval.name}", file=sys.stderr)
         return 128 + error.sigval
     finally:
+        stop_signals.cleanup_started()
         if service is not None:
-            # Cleanup is bounded in time; a second Ctrl-C must not leave the service behind.
-            for stop_signal in _STOP_SIGNALS:
-                signal.signal(stop_signal, signal.SIG_IGN)
             if monitor is not None:
                 monitor.stop()
             status = service.status()
             service.stop()
+            # A service that died was reported once, with the group the job kept; the summary
+            # then shows the last state it answered.
+            gone = monitor is not None and monitor.service_gone
+            if status is None and gone:
+                status = monitor.last_status  # type: ignore[union-attr]
             best_file = str(options.autotune_best_file) if options.autotune_best_file else None
-            for line in format_summary(status, service.log_file, best_file):
+            for line in format_summary(status, service.log_file, best_file, service_gone=gone):
                 print(line, flush=True)

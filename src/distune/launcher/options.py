@@ -19,7 +19,12 @@ from pathlib import Path
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
-from torch.distributed.run import get_args_parser
+from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
+from torch.distributed.run import (
+    determine_local_world_size,
+    get_args_parser,
+    parse_min_max_nnodes,
+)
 
 from distune.launcher.config_file import ConfigError, load_config
 from distune.tuning_service.config import TuningConfig
@@ -45,6 +50,7 @@ class AutotuneOptions:
     autotune_log_file: Path | None = None
     autotune_service_port: int | None = None
     autotune_service_addr: str | None = None
+    autotune_service_bind: str | None = None
     default_bucket_size: int | None = None
     bucket_size: int | None = None
     hierarchical_reduce: bool | None = None
@@ -106,6 +112,16 @@ def _url(value: Any) -> str:
     return text
 
 
+def _listen_address(value: Any) -> str:
+    text = value.strip().removeprefix("[").removesuffix("]") if isinstance(value, str) else ""
+    # One colon is HOST:PORT (an IPv6 address has several); the port is another flag's.
+    if not text or text.count(":") == 1 or any(c.isspace() or c in "/@?#[]" for c in text):
+        raise OptionError(
+            f"must be an address to listen on, like 0.0.0.0 or 10.0.0.5, got {value!r}"
+        )
+    return text
+
+
 def _bool(value: Any) -> bool:
     if not isinstance(value, bool):
         raise OptionError(f"must be true or false, got {value!r}")
@@ -136,6 +152,7 @@ _VALIDATORS: Mapping[str, Callable[[Any], Any]] = {
     "autotune_log_file": _output_path,
     "autotune_service_port": _port,
     "autotune_service_addr": _url,
+    "autotune_service_bind": _listen_address,
     "default_bucket_size": _bytes,
     "bucket_size": _bytes,
     "hierarchical_reduce": _bool,
@@ -212,6 +229,12 @@ def build_parser() -> LauncherArgumentParser:
     add("autotune_log_file", "write the CSV log to PATH (implies the log)", "PATH")
     add("autotune_service_port", "port of the tuning service (default: a free one)", "P")
     add("autotune_service_addr", "where workers reach the service (multi-node: node 0's)", "URL")
+    add(
+        "autotune_service_bind",
+        "where the service listens (default: the address of its URL, never every interface); "
+        "0.0.0.0 or :: for every interface, e.g. behind NAT",
+        "ADDR",
+    )
     add("default_bucket_size", "the default group's bucket size (default 25 MiB)", "BYTES")
     add("bucket_size", "fix the bucket size: it is not tuned", "BYTES")
     group.add_argument(
@@ -281,11 +304,53 @@ def options_from_args(args: argparse.Namespace) -> AutotuneOptions:
     return AutotuneOptions(**values)
 
 
+def check_torchrun_flags(args: argparse.Namespace) -> None:
+    """Reject torchrun flag values that torch would reject only once it runs, with a traceback,
+    or never: a static ``--node_rank`` outside ``--nnodes`` waits for its rendezvous forever."""
+    try:
+        min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+    except ValueError:
+        min_nodes = max_nodes = 0
+    if not 0 < min_nodes <= max_nodes:
+        raise OptionError(
+            f"argument --nnodes: must be N or MIN:MAX with 0 < MIN <= MAX, got {args.nnodes!r}"
+        )
+    # Device keywords are checked where the job runs (a recipe may be planned elsewhere).
+    if args.nproc_per_node not in ("auto", "cpu", "gpu", "xpu"):
+        try:
+            processes = determine_local_world_size(args.nproc_per_node)
+        except ValueError:
+            processes = 0
+        if processes < 1:
+            raise OptionError(
+                "argument --nproc_per_node: must be a number of processes or one of auto, cpu, "
+                f"gpu, xpu, got {args.nproc_per_node!r}"
+            )
+    if args.max_restarts < 0:
+        raise OptionError(f"argument --max_restarts: must be 0 or more, got {args.max_restarts}")
+    if not (math.isfinite(args.monitor_interval) and args.monitor_interval > 0):
+        raise OptionError(
+            f"argument --monitor_interval: must be a positive number of seconds, "
+            f"got {args.monitor_interval}"
+        )
+    static = args.rdzv_backend == "static" and not args.standalone
+    if static and not 0 <= args.node_rank < max_nodes:
+        raise OptionError(
+            f"argument --node_rank: must be in [0, {max_nodes}) with --nnodes {args.nnodes}, "
+            f"got {args.node_rank}"
+        )
+    try:
+        _parse_rendezvous_config(args.rdzv_conf)
+    except ValueError as error:
+        raise OptionError(f"argument --rdzv_conf: {error}") from None
+
+
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, AutotuneOptions]:
     """Parse a ``distune-run`` command line; exit 2 with one line on any invalid value."""
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        check_torchrun_flags(args)
         return args, options_from_args(args)
     except OptionError as error:
         parser.error(str(error))

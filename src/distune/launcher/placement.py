@@ -9,14 +9,20 @@ without talking to the others:
   as the store's host when it is given (needed where several nodes share one machine); else the
   node that owns the rendezvous endpoint's address, or ``--autotune_service_addr``'s when given;
 * the port is ``--autotune_service_port``, else the URL's, else the rendezvous port + 1.
+
+The service listens on the URL's address only, never on every interface, unless
+``--autotune_service_bind`` asks for it: e.g. ``0.0.0.0`` in a container whose address differs
+from the one the other nodes use (published ports behind NAT). A wildcard address (``0.0.0.0``,
+``::``) in the workers' URL is refused: no worker can reach a service there.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import socket
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
@@ -34,14 +40,16 @@ DEFAULT_C10D_PORT = 29400
 class ServicePlacement:
     """Where the tuning service of this job runs, as seen from this node.
 
-    ``port`` 0 means a free port picked when the service starts (single-node only), so the
-    workers' URL is known only then.
+    ``host`` is where the workers reach it, ``bind`` where it listens. ``port`` 0 means a free
+    port picked when the service starts (single-node only), so the workers' URL is known only
+    then.
     """
 
     hosted_here: bool
     host: str
     port: int
     multi_node: bool
+    bind: str
 
     @property
     def url(self) -> str:
@@ -64,6 +72,67 @@ def is_local_address(host: str) -> bool:
                 continue
             return True
     return False
+
+
+def _addresses(host: str) -> set[str]:
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return set()
+    return {str(info[4][0]).split("%", 1)[0] for info in infos}
+
+
+def is_wildcard_address(host: str) -> bool:
+    """Whether ``host`` means every interface (``0.0.0.0``, ``::``, or a spelling of them)."""
+    return any(ipaddress.ip_address(address).is_unspecified for address in _addresses(host))
+
+
+def _reachable_host(host: str, source: str) -> str:
+    """``host`` if workers can connect to it; a wildcard is refused, naming ``source``."""
+    if is_wildcard_address(host):
+        raise OptionError(
+            f"{source}: {host} means every interface, which no worker can connect to; give the "
+            "address the workers use, and --autotune_service_bind 0.0.0.0 to listen on every "
+            "interface"
+        )
+    return host
+
+
+def _bind_address(options: AutotuneOptions) -> str | None:
+    bind = options.autotune_service_bind
+    if bind is not None and not is_local_address(bind):
+        raise OptionError(
+            f"--autotune_service_bind {bind}: not an address of this machine, so the service "
+            "cannot listen there"
+        )
+    return bind
+
+
+def _single_node_placement(options: AutotuneOptions, given: SplitResult | None) -> ServicePlacement:
+    bind = _bind_address(options)
+    port = given.port if given is not None else (options.autotune_service_port or 0)
+    if given is None:
+        # The workers connect from this machine: to the bound address (loopback for a wildcard).
+        host = LOOPBACK if bind is None else bind
+        if is_wildcard_address(host):
+            host = "::1" if ":" in host else LOOPBACK
+    else:
+        flag = f"--autotune_service_addr {options.autotune_service_addr}"
+        host = _reachable_host(str(given.hostname), flag)
+        if not is_local_address(host):
+            raise OptionError(
+                f"{flag}: a single-node job hosts its service itself, so the address must be "
+                "one of this machine's"
+            )
+        listens_elsewhere = bind is not None and not is_wildcard_address(bind)
+        if listens_elsewhere and not _addresses(bind) & _addresses(host):
+            raise OptionError(
+                f"{flag}: the service listens on --autotune_service_bind {bind} only, so the "
+                "workers cannot reach it there"
+            )
+    return ServicePlacement(
+        hosted_here=True, host=host, port=port, multi_node=False, bind=bind or host
+    )
 
 
 def _split_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
@@ -96,14 +165,7 @@ def place_service(args: argparse.Namespace, options: AutotuneOptions) -> Service
         )
 
     if not multi_node:
-        host = given.hostname if given is not None else LOOPBACK
-        port = given.port if given is not None else (options.autotune_service_port or 0)
-        if not is_local_address(host):
-            raise OptionError(
-                f"--autotune_service_addr {options.autotune_service_addr}: a single-node job "
-                "hosts its service itself, so the address must be one of this machine's"
-            )
-        return ServicePlacement(hosted_here=True, host=host, port=port, multi_node=False)
+        return _single_node_placement(options, given)
 
     if args.rdzv_backend == "static" and not args.rdzv_endpoint:
         rdzv_host = args.master_addr
@@ -111,7 +173,13 @@ def place_service(args: argparse.Namespace, options: AutotuneOptions) -> Service
     else:
         default = DEFAULT_MASTER_PORT if args.rdzv_backend == "static" else DEFAULT_C10D_PORT
         rdzv_host, rdzv_port = _split_endpoint(args.rdzv_endpoint, default)
-    host = given.hostname if given is not None else rdzv_host
+    if given is not None:
+        host = _reachable_host(
+            str(given.hostname), f"--autotune_service_addr {options.autotune_service_addr}"
+        )
+    else:
+        source = "--rdzv_endpoint" if args.rdzv_endpoint else "--master_addr"
+        host = _reachable_host(rdzv_host, f"{source} {rdzv_host} (the service's default address)")
     if given is not None:
         port = given.port
     elif options.autotune_service_port is not None:
@@ -130,4 +198,7 @@ def place_service(args: argparse.Namespace, options: AutotuneOptions) -> Service
         # the address (both nodes own it when they share a machine, so is_host must decide there).
         configured = _configured_host(args)
         hosted_here = is_local_address(host) if configured is None else configured
-    return ServicePlacement(hosted_here=hosted_here, host=host, port=port, multi_node=True)
+    bind = _bind_address(options) if hosted_here else None
+    return ServicePlacement(
+        hosted_here=hosted_here, host=host, port=port, multi_node=True, bind=bind or host
+    )

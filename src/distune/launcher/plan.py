@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
 from dataclasses import dataclass, replace
 
 from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
 
 from distune.launcher.options import AutotuneOptions, OptionError
 from distune.launcher.placement import ServicePlacement, place_service
+from distune.launcher.service_token import job_token
 from distune.space import DEFAULT_BUCKET_SIZE, bucket_size_2p_for
-from distune.worker_settings import SERVICE_TOKEN, SYNC_INTERVAL, SettingsError, WorkerSettings
+from distune.worker_settings import SYNC_INTERVAL, SettingsError, WorkerSettings
 
 #: Where ``--is_output_autotune_log`` puts the log (with an unpredictable name), as Bagua does.
 DEFAULT_LOG_DIR = "/tmp"
@@ -39,9 +39,13 @@ class LaunchPlan:
         """Whether this launcher starts the tuning service."""
         return self.placement is not None and self.placement.hosted_here
 
-    def with_service_url(self, url: str) -> LaunchPlan:
+    def with_service_port(self, port: int) -> LaunchPlan:
         """The plan once the service is listening (a free port is known only then)."""
-        return replace(self, settings=replace(self.settings, service_url=url))
+        assert self.placement is not None
+        placement = replace(self.placement, port=port)
+        return replace(
+            self, placement=placement, settings=replace(self.settings, service_url=placement.url)
+        )
 
 
 def _sync_interval_from_environment() -> float:
@@ -65,7 +69,7 @@ def _hierarchical_possible(args: argparse.Namespace) -> bool:
 
 def _service_args(options: AutotuneOptions, placement: ServicePlacement) -> tuple[str, ...]:
     # The launcher prints progress itself (progress.py): the service's own lines would repeat it.
-    argv = ["--host", placement.host, "--port", str(placement.port), "--log-level", "warning"]
+    argv = ["--host", placement.bind, "--port", str(placement.port), "--log-level", "warning"]
     if options.autotune_log_file is not None:
         argv += ["--log-file", str(options.autotune_log_file)]
     elif options.is_output_autotune_log:
@@ -106,14 +110,7 @@ def plan_launch(args: argparse.Namespace, options: AutotuneOptions) -> LaunchPla
         return LaunchPlan(placement=None, service_args=(), token=None, settings=settings)
 
     placement = place_service(args, options)
-    token = os.environ.get(SERVICE_TOKEN) or None
-    if token is None:
-        if placement.multi_node:
-            raise OptionError(
-                f"multi-node tuning needs {SERVICE_TOKEN} set to the same secret on every node "
-                "(the service is reachable from the network)"
-            )
-        token = secrets.token_urlsafe(32)
+    token = job_token(os.environ, placement.multi_node)
     settings = replace(settings, service_url=placement.url, service_token=token)
     service_args = _service_args(options, placement) if placement.hosted_here else ()
     return LaunchPlan(

@@ -53,6 +53,7 @@ class ProgressMonitor:
         self._out = out
         self._models: dict[str, _ModelProgress] = {}
         self._service_gone = False
+        self._last_status: dict[str, Any] | None = None
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="distune-progress", daemon=True)
 
@@ -60,6 +61,11 @@ class ProgressMonitor:
     def service_gone(self) -> bool:
         """Whether the service died while the job ran (reported once)."""
         return self._service_gone
+
+    @property
+    def last_status(self) -> dict[str, Any] | None:
+        """The last ``/status`` the service answered, or None before the first answer."""
+        return self._last_status
 
     def start(self) -> None:
         """Begin polling in the background."""
@@ -81,6 +87,7 @@ class ProgressMonitor:
         status = self._service.status()
         if status is None:
             return  # busy or restarting: the next round will see
+        self._last_status = status
         for name, model in sorted(status.get("models", {}).items()):
             self._update(name, model)
 

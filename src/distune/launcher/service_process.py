@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import requests
 
@@ -53,6 +53,8 @@ class ServiceAnnouncement:
         try:
             data = json.loads(line)
             if data.get("event") != "listening" or not isinstance(data.get("url"), str):
+                raise ValueError
+            if urlsplit(data["url"]).port is None:
                 raise ValueError
         except (ValueError, AttributeError):
             raise ServiceStartError(f"unexpected first line from the service: {line!r}") from None
@@ -110,6 +112,13 @@ class TuningServiceProcess:
     def pid(self) -> int:
         """The service's process id."""
         return self._process.pid
+
+    @property
+    def port(self) -> int:
+        """The port the service listens on."""
+        port = urlsplit(self.url).port
+        assert port is not None  # ServiceAnnouncement.parse checked the URL
+        return port
 
     @property
     def returncode(self) -> int | None:

@@ -33,18 +33,29 @@ def format_gain(value: Any) -> str:
 
 
 def format_summary(
-    status: dict[str, Any] | None, log_file: str | None, best_file: str | None
+    status: dict[str, Any] | None,
+    log_file: str | None,
+    best_file: str | None,
+    *,
+    service_gone: bool = False,
 ) -> list[str]:
     """Lines describing, per model, the chosen group, its score against the default's and the
-    gain, how many groups were sampled, and where the log and best-file are."""
-    if status is None:
-        return ["distune: the tuning service did not answer at the end; the job kept its group"]
+    gain, how many groups were sampled, and where the log and best-file are.
+
+    With ``service_gone``, the service died during the job (which the launcher has reported
+    already) and ``status`` is the last one it answered, if any.
+    """
     lines = []
-    for name, model in sorted(status.get("models", {}).items()):
+    if status is None and not service_gone:
+        lines.append(
+            "distune: the tuning service did not answer at the end; the job kept its group"
+        )
+    as_of = " (as last reported)" if service_gone else ""
+    for name, model in sorted((status or {}).get("models", {}).items()):
         best = model.get("best")
         lines.append(
             f"distune: model {name}: {model.get('state')} after "
-            f"{model.get('samples')} of at most {model.get('max_samples')} samples"
+            f"{model.get('samples')} of at most {model.get('max_samples')} samples{as_of}"
         )
         if best is None:
             current = describe_group(model.get("current"))
@@ -56,7 +67,7 @@ def format_summary(
             f"  default group: {format_rate(model.get('default_score'))}; "
             f"gain {format_gain(best.get('gain_vs_default'))}"
         )
-    if not lines:
+    if status is not None and not lines:
         lines.append("distune: no model registered with the tuning service")
     if log_file:
         lines.append(f"distune: autotune log: {log_file}")

@@ -78,6 +78,20 @@ def test_hierarchical_off(spelling):
         (["--autotune_log_file", "/no/such/dir/x.log"], "directory '/no/such/dir' does not exist"),
         (["--autotune_best_file", "/no/such/b.json"], "directory '/no/such' does not exist"),
         (["--autotune_config", "/no/such/c.yml"], "--autotune_config: cannot read '/no/such/c.yml'"),
+        (["--autotune_service_bind", "node0:80"], "must be an address to listen on, like 0.0.0.0"),
+        (["--autotune_service_bind", "a b"], "must be an address to listen on"),
+        (["--autotune_service_bind", ""], "must be an address to listen on"),
+        # torchrun's flags that torch would take with a traceback, or hang on
+        (["--nproc_per_node", "abc"], "argument --nproc_per_node: must be a number of processes"),
+        (["--nproc_per_node", "0"], "argument --nproc_per_node: must be a number of processes"),
+        (["--nnodes", "0"], "argument --nnodes: must be N or MIN:MAX with 0 < MIN <= MAX"),
+        (["--nnodes", "a:b"], "argument --nnodes: must be N or MIN:MAX with 0 < MIN <= MAX, got 'a:b'"),
+        (["--nnodes", "3:2"], "argument --nnodes: must be N or MIN:MAX"),
+        (["--max_restarts", "-1"], "argument --max_restarts: must be 0 or more, got -1"),
+        (["--monitor_interval", "0"], "argument --monitor_interval: must be a positive number"),
+        (["--nnodes", "2", "--node_rank", "2"], "argument --node_rank: must be in [0, 2)"),
+        (["--node_rank", "-1"], "argument --node_rank: must be in [0, 1)"),
+        (["--rdzv_conf", "garbage"], "argument --rdzv_conf: The rendezvous configuration option"),
     ],
 )  # fmt: skip
 def test_invalid_values_exit_2_with_one_line_naming_the_flag(argv, message, capsys):
@@ -157,3 +171,19 @@ def test_quiet_flag_and_config_key(tmp_path):
     config = tmp_path / "q.yaml"
     config.write_text("autotune_quiet: true\n")
     assert parse(["--autotune_config", str(config), "t.py"])[1].autotune_quiet is True
+
+
+def test_service_bind_flag_and_config_key(tmp_path):
+    assert (
+        parse(["--autotune-service-bind", "0.0.0.0", "t.py"])[1].autotune_service_bind == "0.0.0.0"
+    )
+    assert parse(["--autotune_service_bind", "[::]", "t.py"])[1].autotune_service_bind == "::"
+    config = tmp_path / "b.yaml"
+    config.write_text("autotune_service_bind: 10.0.0.5\n")
+    assert parse(["--autotune_config", str(config), "t.py"])[1].autotune_service_bind == "10.0.0.5"
+
+
+def test_device_keywords_for_nproc_per_node_are_left_to_the_machine_that_runs_the_job():
+    # A recipe for GPU nodes is planned and tested on machines without one.
+    for keyword in ("gpu", "cpu", "auto", "xpu"):
+        assert parse(["--nproc_per_node", keyword, "t.py"])[0].nproc_per_node == keyword

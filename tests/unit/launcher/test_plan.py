@@ -3,7 +3,7 @@
 import pytest
 
 from distune.launcher.options import OptionError, parse
-from distune.launcher.placement import is_local_address
+from distune.launcher.placement import is_local_address, is_wildcard_address
 from distune.launcher.plan import plan_launch
 from distune.worker_settings import WorkerSettings
 
@@ -16,6 +16,7 @@ def plan(*argv, env=None, monkeypatch=None):
 @pytest.fixture(autouse=True)
 def no_token(monkeypatch):
     monkeypatch.delenv("DISTUNE_SERVICE_TOKEN", raising=False)
+    monkeypatch.delenv("DISTUNE_SERVICE_TOKEN_FILE", raising=False)
 
 
 def test_level_0_starts_no_service_and_tells_workers_not_to_tune():
@@ -175,4 +176,104 @@ def test_sync_interval_passes_from_the_launcher_environment(monkeypatch):
     assert plan("--autotune_level", "1").settings.sync_interval == 0.25
     monkeypatch.setenv("DISTUNE_SYNC_INTERVAL", "soon")
     with pytest.raises(OptionError, match="DISTUNE_SYNC_INTERVAL must be a number"):
+        plan("--autotune_level", "1")
+
+
+MULTI = ("--nnodes", "2", "--nproc_per_node", "2", "--autotune_level", "1")
+
+
+def test_wildcard_addresses():
+    for wildcard in ("0.0.0.0", "0", "::", "0:0::0"):
+        assert is_wildcard_address(wildcard), wildcard
+    for address in ("127.0.0.1", "::1", "localhost", "no-such-host.invalid"):
+        assert not is_wildcard_address(address), address
+
+
+@pytest.mark.parametrize("url", ["http://0.0.0.0:31000", "http://0:31000", "http://[::]:31000"])
+def test_a_wildcard_service_url_is_refused_and_names_the_bind_flag(url, monkeypatch):
+    with pytest.raises(OptionError, match=r"means every interface.*--autotune_service_bind"):
+        plan("--autotune_level", "1", "--autotune_service_addr", url)
+    monkeypatch.setenv("DISTUNE_SERVICE_TOKEN", "s3cret")
+    with pytest.raises(OptionError, match=r"--autotune_service_addr .* means every interface"):
+        plan(*MULTI, "--autotune_service_addr", url)
+
+
+def test_a_wildcard_master_addr_is_refused_as_the_service_address(monkeypatch):
+    monkeypatch.setenv("DISTUNE_SERVICE_TOKEN", "s3cret")
+    with pytest.raises(OptionError, match=r"--master_addr 0\.0\.0\.0 .* means every interface"):
+        plan(*MULTI, "--master_addr", "0.0.0.0")
+
+
+def test_single_node_listens_on_every_interface_only_when_asked():
+    launch = plan("--autotune_level", "1", "--autotune_service_bind", "0.0.0.0")
+    assert launch.service_args[:2] == ("--host", "0.0.0.0")
+    # The workers, on this machine, connect over loopback; the port is known once it listens.
+    assert launch.with_service_port(4321).settings.service_url == "http://127.0.0.1:4321"
+    ipv6 = plan("--autotune_level", "1", "--autotune_service_bind", "::")
+    assert ipv6.service_args[:2] == ("--host", "::")
+    assert ipv6.with_service_port(4321).settings.service_url == "http://[::1]:4321"
+    with_url = plan(
+        "--autotune_level", "1", "--autotune_service_bind", "0.0.0.0",
+        "--autotune_service_addr", "http://127.0.0.1:31000",
+    )  # fmt: skip
+    assert with_url.service_args[:4] == ("--host", "0.0.0.0", "--port", "31000")
+    assert with_url.settings.service_url == "http://127.0.0.1:31000"
+
+
+def test_bind_address_must_be_this_machines_and_match_the_url():
+    with pytest.raises(OptionError, match=r"--autotune_service_bind 192\.0\.2\.10: not an address"):
+        plan("--autotune_level", "1", "--autotune_service_bind", "192.0.2.10")
+    with pytest.raises(OptionError, match=r"listens on --autotune_service_bind 127\.0\.0\.1 only"):
+        plan(
+            "--autotune_level", "1", "--autotune_service_bind", "127.0.0.1",
+            "--autotune_service_addr", "http://[::1]:31000",
+        )  # fmt: skip
+
+
+def test_multi_node_binds_the_url_address_unless_told(monkeypatch):
+    monkeypatch.setenv("DISTUNE_SERVICE_TOKEN", "s3cret")
+    node0 = ("--node_rank", "0", "--autotune_service_addr", "http://10.9.8.7:31000")
+    default = plan(*MULTI, *node0)
+    assert default.service_args[:4] == ("--host", "10.9.8.7", "--port", "31000")
+    # Behind NAT: listen on every interface, while the other nodes use the public address.
+    nat = plan(*MULTI, *node0, "--autotune_service_bind", "0.0.0.0")
+    assert nat.service_args[:4] == ("--host", "0.0.0.0", "--port", "31000")
+    assert nat.settings.service_url == "http://10.9.8.7:31000"
+    other = plan(*MULTI, "--node_rank", "1", "--autotune_service_addr", "http://10.9.8.7:31000")
+    assert other.service_args == ()
+
+
+def token_file(tmp_path, text="  file-token-123\n", mode=0o600):
+    path = tmp_path / "token"
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+def test_token_file_serves_a_multi_node_job(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTUNE_SERVICE_TOKEN_FILE", str(token_file(tmp_path)))
+    launch = plan(*MULTI, "--master_addr", "127.0.0.1")
+    assert launch.token == launch.settings.service_token == "file-token-123"
+    assert "file-token-123" not in " ".join(launch.service_args)
+    # DISTUNE_SERVICE_TOKEN wins, as in the distune commands.
+    monkeypatch.setenv("DISTUNE_SERVICE_TOKEN", "env-token")
+    assert plan(*MULTI, "--master_addr", "127.0.0.1").token == "env-token"
+
+
+@pytest.mark.parametrize(
+    ("mode", "text", "message"),
+    [
+        (0o644, "t0ken\n", "readable by other users .*mode 0644.*chmod 600"),
+        (0o640, "t0ken\n", "readable by other users"),
+        (0o600, "\n", "is empty"),
+        (0o600, "two words\n", "must be printable ASCII without spaces"),
+    ],
+)
+def test_bad_token_files_are_refused(tmp_path, monkeypatch, mode, text, message):
+    monkeypatch.setenv("DISTUNE_SERVICE_TOKEN_FILE", str(token_file(tmp_path, text, mode)))
+    with pytest.raises(OptionError, match=f"DISTUNE_SERVICE_TOKEN_FILE.*{message}") as error:
+        plan("--autotune_level", "1")
+    assert "two words" not in str(error.value)  # a token is never echoed
+    monkeypatch.setenv("DISTUNE_SERVICE_TOKEN_FILE", str(tmp_path / "missing"))
+    with pytest.raises(OptionError, match="No such file"):
         plan("--autotune_level", "1")

@@ -47,3 +47,27 @@ def test_model_without_a_choice_shows_its_current_group():
 
 def test_unanswered_status_says_so():
     assert "did not answer" in format_summary(None, None, None)[0]
+
+
+def test_after_the_service_died_the_summary_shows_the_last_state_without_repeating_it():
+    last = {
+        "models": {
+            "m": {
+                "state": "sampling",
+                "samples": 2,
+                "max_samples": 20,
+                "current": GROUP,
+                "best": {"group": DEFAULT, "score": 10.0, "gain_vs_default": 0.0},
+                "default_score": 10.0,
+            }
+        }
+    }
+    lines = format_summary(last, "/tmp/x.log", None, service_gone=True)
+    assert lines[0] == "distune: model m: sampling after 2 of at most 20 samples (as last reported)"
+    assert lines[-1] == "distune: autotune log: /tmp/x.log"
+    text = "\n".join(lines)
+    assert "did not answer" not in text and "stopped" not in text
+    # Died before answering once: only where the log is.
+    assert format_summary(None, "/tmp/x.log", None, service_gone=True) == [
+        "distune: autotune log: /tmp/x.log"
+    ]
