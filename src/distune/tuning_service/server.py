@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(),
         format="%(name)s %(levelname)s: %(message)s",
     )
+    # waitress warns of every queued request under load ("Task queue depth is N"): at 64
+    # models that is a line per request on the launcher's stderr, and nothing to act on.
+    logging.getLogger("waitress.queue").setLevel(logging.ERROR)
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     if not 1 <= args.threads <= 256:
