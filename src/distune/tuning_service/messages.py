@@ -25,6 +25,9 @@ from distune.space import (
 MAX_COUNT = 2**53
 #: A report window lasts at least a microsecond and at most about eleven days.
 SECONDS_RANGE = (1e-6, 1e6)
+#: No training does a billion iterations (or samples) a second: a window claiming more is a
+#: measurement bug, and its score would dwarf every honest one.
+MAX_RATE = 1e9
 
 
 class RequestError(ValueError):
@@ -125,6 +128,13 @@ class Report:
         object.__setattr__(self, "seconds", _seconds("seconds", self.seconds))
         if self.samples is not None:
             _integer("samples", self.samples, 1, MAX_COUNT)
+        if self.rate > MAX_RATE:
+            field = "iterations" if self.samples is None else "samples"
+            raise RequestError(
+                field,
+                f"{field} / seconds must be at most {MAX_RATE:g} per second, got "
+                f"{self.rate:.4g} ({field} {getattr(self, field)} in {self.seconds:g} s)",
+            )
 
     @property
     def rate(self) -> float:

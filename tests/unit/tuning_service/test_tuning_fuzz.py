@@ -15,6 +15,7 @@ import math
 from collections import Counter
 from urllib.parse import quote
 
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -48,6 +49,27 @@ def check_error_body(status: int, content_type: str, body: bytes) -> None:
         assert content_type.startswith("application/json"), (status, content_type, body)
         error = json.loads(body)["error"]
         assert isinstance(error, str) and len(error) > 10, body
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [({}, "iterations"), ({"samples": 10**9}, "samples")],
+)
+def test_absurd_rates_are_refused_naming_the_field(extra, field):
+    client = create_app(TuningService(CONFIG), token=TOKEN).test_client()
+    registration = {"world_size": 1, "nnodes": 1, "local_world_size": 1, "gradient_bytes": 10}
+    client.post("/api/v1/models/m/register", json=registration, headers=AUTH)
+    # A billion and one iterations (or samples) in a second.
+    body = {"group_id": 0, "train_iter": 1, "iterations": 10**9 + 1, "seconds": 1.0, **extra}
+    if extra:
+        body["iterations"], body["samples"] = 1, 10**9 + 1
+    response = client.post("/api/v1/models/m/report", json=body, headers=AUTH)
+    assert response.status_code == 400
+    assert response.get_json()["error"].startswith(
+        f"{field}: {field} / seconds must be at most 1e+09"
+    )
+    body["seconds"] = 2.0  # half a billion a second: accepted
+    assert client.post("/api/v1/models/m/report", json=body, headers=AUTH).status_code == 200
 
 
 def consistent_topology(case):

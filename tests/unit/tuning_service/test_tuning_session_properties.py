@@ -121,7 +121,12 @@ class SessionMachine(RuleBasedStateMachine):
     def any_report(self, stale, other_id, train_iter, iterations, seconds, samples):
         """Any valid report: another group's, any counts, any clock, either unit."""
         group_id = other_id if stale else self.session.view.current.id
-        self._report(Report(group_id, train_iter, iterations, seconds, samples))
+        try:
+            report = Report(group_id, train_iter, iterations, seconds, samples)
+        except RequestError as error:  # over a billion a second: refused before any session
+            assert error.field in ("iterations", "samples")
+            return
+        self._report(report)
 
     def _report(self, report: Report) -> None:
         before = self.session.view
