@@ -235,15 +235,21 @@ def _closed_loop(url: str, token: str, name: str, endpoint: str, deadline: float
     return tally
 
 
-def _paced(url: str, token: str, name: str | None, hz: float, deadline: float) -> Tally:
-    """A load-test client at ``hz``: report and poll (a model), or read the status (None)."""
+def _paced(
+    url: str, token: str, name: str | None, hz: float, start: float, phase: float, seconds: float
+) -> Tally:
+    """A load-test client at ``hz`` from ``start`` (a monotonic time) for ``seconds``: report
+    and poll (a model), or read the status (None). ``phase`` (a fraction of the period) spreads
+    the clients' ticks, as independent jobs' are, instead of sending them all at once."""
     tally = Tally()
     connection = Connection(url, token)
     model = None if name is None else Model(connection, name)
     if model is not None:
         model.register(tally)
     period = 1.0 / hz
-    tick = time.monotonic()
+    tick = start + phase * period
+    deadline = start + seconds
+    time.sleep(max(0.0, tick - time.monotonic()))
     step = 0
     while tick < deadline:
         step += 1
@@ -379,11 +385,13 @@ def _count_reports(url: str, token: str, name: str, count: int) -> Tally:
 def load(seconds: float, clients: int, readers: int, hz: float, processes: int) -> dict[str, Any]:
     """The ``load`` part (issue 6): paced clients and status readers; RSS every second."""
     with service(TUNING) as process:
-        deadline = time.monotonic() + seconds
+        # Clients register first (within two seconds), then tick with their phases spread.
+        start = time.monotonic() + 2.0
+        names = [f"model{i}" for i in range(clients)] + [None] * readers
         jobs = [
-            (_paced, (process.url, process.token, f"model{i}", hz, deadline))
-            for i in range(clients)
-        ] + [(_paced, (process.url, process.token, None, hz, deadline)) for _ in range(readers)]
+            (_paced, (process.url, process.token, name, hz, start, i / len(names), seconds))
+            for i, name in enumerate(names)
+        ]
         samples: list[tuple[float, int]] = []
         stop = threading.Event()
 
