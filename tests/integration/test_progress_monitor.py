@@ -10,6 +10,7 @@ import requests
 
 from distune.launcher.progress import ProgressMonitor
 from distune.launcher.service_process import TuningServiceProcess
+from distune.launcher.summary import describe_group
 
 pytestmark = pytest.mark.slow
 
@@ -86,5 +87,38 @@ def test_a_dead_service_is_reported_once_even_when_quiet(service):
     monitor.poll()
     text = out.getvalue()
     assert text.count("the tuning service stopped unexpectedly (exit code -9)") == 1
-    assert "m keeps bucket 2^20 B (1 MiB), flat" in text
+    assert "each model keeps the last group the service gave it (rank 0 names it)" in text
     assert monitor.service_gone
+    assert monitor.last_status["models"]["m"]["state"] in ("warmup", "sampling")
+
+
+def test_a_dead_service_after_completion_names_the_final_group(service):
+    out = io.StringIO()
+    monitor = ProgressMonitor(service, quiet=True, out=out)
+    reply = drive(service, [monitor], windows=200)
+    assert reply["completed"]
+    service._process.send_signal(signal.SIGKILL)
+    service._process.wait(10)
+    monitor.poll()
+    chosen = describe_group(monitor.last_status["models"]["m"]["best"]["group"])
+    assert out.getvalue().strip().endswith(f"training goes on: m keeps {chosen}")
+    assert "rank 0 names it" not in out.getvalue()
+
+
+def test_a_completion_the_monitor_missed_is_read_from_the_log_file(tmp_path):
+    args = ["--host", "127.0.0.1", "--port", "0", "--seed", "0", "--max-samples", "3"]
+    args += ["--warmup-time", "1", "--sampling-confidence-time", "1"]
+    logged = TuningServiceProcess.start([*args, "--log-file", str(tmp_path / "t.csv")], TOKEN)
+    try:
+        out = io.StringIO()
+        monitor = ProgressMonitor(logged, quiet=True, out=out)
+        monitor.poll()  # before the model registers: the monitor never sees it complete
+        reply = drive(logged, [], windows=200)
+        assert reply["completed"]
+        logged._process.send_signal(signal.SIGKILL)
+        logged._process.wait(10)
+        monitor.poll()
+    finally:
+        logged.stop()
+    chosen = describe_group(reply["group"])
+    assert out.getvalue().strip().endswith(f"training goes on: m keeps {chosen}")

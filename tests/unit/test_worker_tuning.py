@@ -185,7 +185,7 @@ def test_garbage_is_one_warning_and_retried(caplog, payload, reason):
             client.close()
     warnings = warnings_of(caplog)
     assert len(warnings) == 2, warnings  # the outage, then the recovery
-    assert reason in warnings[0] and "keeps training" in warnings[0]
+    assert reason in warnings[0] and "keeps training with bucket 2^" in warnings[0]
     assert "answers again" in warnings[1]
 
 

@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                 monitor.stop()
             status = service.status()
             service.stop()
-            # A service that died was reported once, with the group the job kept; the summary
-            # then shows the last state it answered.
+            # A service that died was reported once already; the summary then shows the last
+            # state it answered.
             gone = monitor is not None and monitor.service_gone
             if status is None and gone:
                 status = monitor.last_status  # type: ignore[union-attr]

@@ -4,16 +4,17 @@ A background thread polls the service it started (``/status``, and a model's CSV
 has new samples) and prints one line per event: warmup over, each sampled group with its score
 and gain over the default, tuning completed. Workers print nothing of this, so the lines appear
 once per job whatever the number of ranks. If the service process dies, the monitor says so
-once, with the group the job keeps (training goes on without it), and stops polling.
+once (training goes on without it; rank 0 names the group it keeps), and stops polling.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 from distune.launcher.service_process import TuningServiceProcess
@@ -30,7 +31,6 @@ class _ModelProgress:
 
     state: str = ""
     rows_seen: int = 0
-    current: dict[str, Any] = field(default_factory=dict)
 
 
 class ProgressMonitor:
@@ -102,20 +102,29 @@ class ProgressMonitor:
 
     def _report_death(self) -> None:
         self._service_gone = True
-        kept = [
-            f"{name} keeps {describe_group(progress.current)}"
-            for name, progress in sorted(self._models.items())
-        ]
+        # A completed model's group is final, so the launcher can name it: from the last status,
+        # or from the log file, which has the completed row before the job learns of it. Any
+        # other model keeps the last group the service gave it, which only the job's leader
+        # knows for sure (a switch may have come after the last poll): rank 0 names it.
+        models = set((self._last_status or {}).get("models", {}))
+        final = {
+            name: describe_group((model.get("best") or {}).get("group"))
+            for name, model in (self._last_status or {}).get("models", {}).items()
+            if model.get("state") == "completed"
+        }
+        final.update(_final_groups_in_log(self._service.log_file))
+        kept = [f"{name} keeps {group}" for name, group in sorted(final.items())]
+        if not final or models - set(final):
+            others = "any other model" if kept else "each model"
+            kept.append(f"{others} keeps the last group the service gave it (rank 0 names it)")
         self._print(
             f"distune: the tuning service stopped unexpectedly (exit code "
-            f"{self._service.returncode}); training goes on with the groups it has"
-            + (f": {'; '.join(kept)}" if kept else ""),
+            f"{self._service.returncode}); tuning is over, training goes on: {'; '.join(kept)}",
             force=True,
         )
 
     def _update(self, name: str, model: dict[str, Any]) -> None:
         progress = self._models.setdefault(name, _ModelProgress())
-        progress.current = model.get("current") or progress.current
         state = model.get("state", "")
         if progress.state in ("", "warmup") and state in ("sampling", "completed"):
             self._print(
@@ -142,6 +151,25 @@ class ProgressMonitor:
         for row in rows[progress.rows_seen :]:
             self._print(_sample_line(name, row, model.get("max_samples")))
         progress.rows_seen = max(progress.rows_seen, len(rows))
+
+
+def _final_groups_in_log(path: str | None) -> dict[str, str]:
+    """Each completed model's final group, from the ``completed`` rows of a CSV log file."""
+    if path is None:
+        return {}
+    try:
+        with open(path, newline="", encoding="utf-8") as file:
+            rows = [row for row in csv.DictReader(file) if row.get("phase") == "completed"]
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return {}
+    final = {}
+    for row in rows:
+        with contextlib.suppress(KeyError, ValueError, HyperparameterError):
+            hp = Hyperparameters(
+                int(row["bucket_size_2p"]), row["is_hierarchical_reduce"] == "True"
+            )
+            final[row["model"]] = hp.describe()
+    return final
 
 
 def _sample_line(name: str, row: dict[str, str], max_samples: Any) -> str:

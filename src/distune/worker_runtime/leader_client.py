@@ -251,12 +251,16 @@ class LeaderClient:
     def _failed(self, reason: str) -> None:
         if self._healthy:
             self._healthy = False
+            # Only the leader knows the group the job keeps: name it (the launcher cannot).
+            latest = self.latest()
+            kept = self._space.default if latest is None else latest.hyperparameters
             logger.warning(
-                "tuning service at %s %s; model %r keeps training with its current group; "
+                "tuning service at %s %s; model %r keeps training with %s; "
                 "retrying with back-off (no further warning until it answers)",
                 self._url,
                 reason,
                 self._name,
+                kept.describe(),
             )
         else:
             logger.debug("tuning service still failing: %s", reason)
