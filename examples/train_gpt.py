@@ -6,6 +6,9 @@ is a fixed random Markov chain over the vocabulary, sampled on the fly, so there
 learn and nothing to download. Launch it like any torchrun script::
 
     distune-run --nproc_per_node 2 --autotune_level 1 examples/train_gpt.py --seconds 120
+
+``--engine torch`` trains the same model under ``torch.nn.parallel.DistributedDataParallel`` at
+its defaults instead, for a side-by-side comparison (launch it with torchrun or distune-run).
 """
 
 from __future__ import annotations
@@ -77,6 +80,13 @@ class MarkovText:
         return tokens
 
 
+def describe(ddp: nn.Module) -> str:
+    """The communication settings in use, as the progress lines show them."""
+    if isinstance(ddp, nn.parallel.DistributedDataParallel):
+        return f"torch DDP, {ddp.bucket_bytes_cap / 2**20:g} MiB buckets, flat"
+    return ddp.hyperparameters.describe()
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=None, help="stop after this many steps")
@@ -89,6 +99,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--log-every", type=float, default=5.0, help="seconds between log lines")
+    parser.add_argument(
+        "--engine",
+        choices=("distune", "torch"),
+        default="distune",
+        help="data-parallel wrapper: distune's (default) or torch's DDP at its defaults",
+    )
     args = parser.parse_args()
     if args.steps is None and args.seconds is None:
         args.seconds = 120.0
@@ -100,7 +116,10 @@ def main() -> None:
     job = join()
     torch.manual_seed(0)
     model = GPT(args.vocab, args.context, args.width, args.layers, args.heads).to(job.device)
-    ddp = distune.DistributedDataParallel(model, name="gpt", device_ids=job.device_ids)
+    if args.engine == "torch":
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=job.device_ids)
+    else:
+        ddp = distune.DistributedDataParallel(model, name="gpt", device_ids=job.device_ids)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
     text = MarkovText(args.vocab, job.device, seed=0, rank=job.rank)
     if job.rank == 0:
@@ -118,7 +137,7 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         step += 1
-        progress.step(step, loss, ddp.hyperparameters.describe())
+        progress.step(step, loss, describe(ddp))
     progress.done(step, loss)
     leave()
 
