@@ -1,10 +1,10 @@
-"""Run tuners on landscapes over many seeds and summarise how fast each finds a good group.
+"""Run tuners on landscapes over many seeds and summarise how good a group each one keeps.
 
-For every (tuner, landscape, seed) the tuner gets the same budget and the same noise model;
-what counts is the *true* throughput of the group it would keep after k samples, as a fraction
-of the oracle. Reported per tuner: that fraction after each checkpoint (median and worst over
-landscapes x seeds), the number of samples until the kept group is within 2% of the oracle
-(median and worst; "never" if not within the budget), and the samples actually used.
+For every (tuner, landscape, seed) and every budget of samples, the tuner tunes under the same
+noise model; what counts is the *true* throughput of the group it finally keeps, as a fraction
+of the oracle's (the best group's). Per tuner and budget: the median run and the worst run over
+landscapes x seeds; and the smallest budget from which the median (or the worst) run stays
+within 2% of the oracle.
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ import statistics
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
+
+from threadpoolctl import threadpool_limits
 
 from benchmarks.tuner_quality.landscapes import Landscape
 from benchmarks.tuner_quality.measurement import NoiseModel
@@ -25,93 +28,159 @@ GOOD_ENOUGH = 0.98
 
 @dataclass(frozen=True)
 class Run:
-    """One tuner on one landscape with one seed."""
+    """One tuner on one landscape with one seed: for each budget, the true fraction of the
+    oracle of the group it keeps, and how many samples it measured."""
 
     tuner: str
     landscape: str
     seed: int
+    budgets: tuple[int, ...]
     fractions: tuple[float, ...]
-    samples_used: int
+    samples_used: tuple[int, ...]
 
-    def samples_to_good(self) -> float:
-        """Samples until the kept group is within 2% of the oracle (inf: never)."""
-        for k, fraction in enumerate(self.fractions, start=1):
-            if fraction >= GOOD_ENOUGH:
-                return k
-        return math.inf
+    def fraction_at(self, budget: int) -> float:
+        """The kept group's fraction of the oracle with ``budget`` samples."""
+        return self.fractions[self.budgets.index(budget)]
 
 
-def _run(task: tuple[Tuner, Landscape, int, NoiseModel, int]) -> Run:
-    tuner, landscape, budget, noise, seed = task
-    trajectory = tuner.run(landscape, budget, noise, seed)
-    fractions = tuple(landscape.fraction(hp) for hp in trajectory.choices)
-    return Run(tuner.name, landscape.name, seed, fractions, trajectory.samples_used)
+def _run(task: tuple[Tuner, Landscape, tuple[int, ...], NoiseModel, int]) -> Run:
+    tuner, landscape, budgets, noise, seed = task
+    fractions, used = [], []
+    if tuner.budget_aware:
+        for budget in budgets:
+            trajectory = tuner.run(landscape, budget, noise, seed)
+            fractions.append(landscape.fraction(trajectory.choices[-1]))
+            used.append(trajectory.samples_used)
+    else:  # one run with the largest budget; its choice after k samples is the k-budget one
+        trajectory = tuner.run(landscape, max(budgets), noise, seed)
+        for budget in budgets:
+            fractions.append(landscape.fraction(trajectory.choices[budget - 1]))
+            used.append(min(budget, trajectory.samples_used))
+    return Run(tuner.name, landscape.name, seed, budgets, tuple(fractions), tuple(used))
 
 
 def compare(
     tuners: Sequence[Tuner],
     landscapes: Sequence[Landscape],
     seeds: int,
-    budget: int,
+    budgets: Sequence[int],
     noise: NoiseModel,
     jobs: int = 1,
 ) -> list[Run]:
-    """Every tuner on every landscape with seeds ``0..seeds-1`` (the same seeds for all)."""
+    """Every tuner on every landscape with seeds ``0..seeds-1`` (the same seeds, so the same
+    noise draws where two tuners measure alike) at every budget."""
+    ordered = tuple(sorted(set(budgets)))
     tasks = [
-        (t, ls, budget, noise, seed) for t in tuners for ls in landscapes for seed in range(seeds)
+        (t, ls, ordered, noise, seed) for t in tuners for ls in landscapes for seed in range(seeds)
     ]
     if jobs <= 1:
-        return [_run(task) for task in tasks]
-    with ProcessPoolExecutor(jobs) as pool:
-        return list(pool.map(_run, tasks, chunksize=4))
+        with threadpool_limits(1):
+            return [_run(task) for task in tasks]
+    with ProcessPoolExecutor(jobs, initializer=_one_thread) as pool:
+        return list(pool.map(_run, tasks, chunksize=2))
 
 
-def _fmt_samples(value: float) -> str:
-    return "never" if math.isinf(value) else f"{value:g}"
+def _one_thread() -> None:
+    # The Gaussian-process fits are tiny: BLAS threads only contend for the cores (three times
+    # slower on two cores), and the pool already uses them.
+    threadpool_limits(1)
 
 
-def _median(values: list[float]) -> float:
+def _median(values: Sequence[float]) -> float:
     # The lower median of an even count, so the figure is one that actually occurred.
     return sorted(values)[(len(values) - 1) // 2]
 
 
+def curve(runs: Sequence[Run], tuner: str, statistic: str) -> dict[int, float]:
+    """The median (``statistic="median"``) or worst (``"worst"``) run's fraction of the oracle
+    per budget, over all of ``tuner``'s runs."""
+    mine = [run for run in runs if run.tuner == tuner]
+    reduce = _median if statistic == "median" else min
+    return {b: reduce([run.fraction_at(b) for run in mine]) for b in mine[0].budgets}
+
+
+def budget_to_good(points: dict[int, float]) -> float:
+    """The smallest budget from which ``points`` stays at or above 98% (inf: never)."""
+    reached = math.inf
+    for budget in sorted(points, reverse=True):
+        if points[budget] < GOOD_ENOUGH:
+            break
+        reached = budget
+    return reached
+
+
+def _fmt_budget(value: float) -> str:
+    return "never" if math.isinf(value) else f"{value:g}"
+
+
 def summary_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
-    """A markdown table: per tuner, fraction of the oracle at each checkpoint (median / worst),
-    samples to within 2% (median / worst), samples used (median), over all runs."""
+    """A markdown table: per tuner, fraction of the oracle after each checkpoint (median /
+    worst), the budget from which median and worst stay within 2%, and samples used with the
+    largest budget (median)."""
     tuners = list(dict.fromkeys(run.tuner for run in runs))
-    header = ["tuner"]
-    header += [f"after {k}: median / worst" for k in checkpoints]
-    header += ["samples to 98%: median / worst", "samples used: median", "runs"]
+    header = ["tuner", *(f"after {k}: median / worst" for k in checkpoints)]
+    header += [
+        "samples to 98%: median / worst",
+        f"samples used (budget {max(runs[0].budgets)}): median",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for tuner in tuners:
-        mine = [run for run in runs if run.tuner == tuner]
-        cells = [tuner]
-        for k in checkpoints:
-            at_k = [run.fractions[min(k, len(run.fractions)) - 1] for run in mine]
-            cells.append(f"{_median(at_k):.3f} / {min(at_k):.3f}")
-        reach = [run.samples_to_good() for run in mine]
-        cells.append(f"{_fmt_samples(_median(reach))} / {_fmt_samples(max(reach))}")
-        cells.append(f"{statistics.median(run.samples_used for run in mine):g}")
-        cells.append(str(len(mine)))
+        median, worst = curve(runs, tuner, "median"), curve(runs, tuner, "worst")
+        cells = [tuner, *(f"{median[k]:.3f} / {worst[k]:.3f}" for k in checkpoints)]
+        cells.append(
+            f"{_fmt_budget(budget_to_good(median))} / {_fmt_budget(budget_to_good(worst))}"
+        )
+        used = [run.samples_used[-1] for run in runs if run.tuner == tuner]
+        cells.append(f"{statistics.median(used):g}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def per_landscape_table(runs: Sequence[Run]) -> str:
-    """A markdown table: samples to within 2% (median / worst) per tuner and landscape, and the
-    final fraction of the oracle (worst)."""
+def per_landscape_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
+    """A markdown table: per landscape and tuner, the worst seed's fraction of the oracle after
+    each checkpoint."""
     tuners = list(dict.fromkeys(run.tuner for run in runs))
     landscapes = list(dict.fromkeys(run.landscape for run in runs))
-    header = ["landscape", *(f"{t}: to 98% med / worst; final worst" for t in tuners)]
+    marks = "/".join(str(k) for k in checkpoints)
+    header = ["landscape", *(f"{t}: worst after {marks}" for t in tuners)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name in landscapes:
         cells = [name]
         for tuner in tuners:
             mine = [r for r in runs if r.tuner == tuner and r.landscape == name]
-            reach = [r.samples_to_good() for r in mine]
-            final = min(r.fractions[-1] for r in mine)
-            cells.append(
-                f"{_fmt_samples(_median(reach))} / {_fmt_samples(max(reach))}; {final:.3f}"
-            )
+            worst = [min(r.fraction_at(k) for r in mine) for k in checkpoints]
+            cells.append(" / ".join(f"{w:.2f}" for w in worst))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def plot(runs: Sequence[Run], path: Path, title: str) -> None:
+    """Two panels (median run, worst run): fraction of the oracle against the budget, one line
+    per tuner."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    tuners = list(dict.fromkeys(run.tuner for run in runs))
+    figure, axes = plt.subplots(1, 2, figsize=(8.0, 3.2), dpi=100)
+    for axis, statistic in zip(axes, ("median", "worst"), strict=True):
+        for tuner in tuners:
+            points = curve(runs, tuner, statistic)
+            style = {"linewidth": 2.2, "color": "black"} if tuner == "distune" else {}
+            axis.plot(list(points), list(points.values()), marker=".", label=tuner, **style)
+        axis.axhline(GOOD_ENOUGH, color="grey", linestyle=":", linewidth=1)
+        axis.set_xscale("log")
+        budgets = sorted(runs[0].budgets)
+        axis.set_xticks(budgets, [str(b) for b in budgets])
+        axis.minorticks_off()
+        axis.set_xlabel("samples (budget)")
+        axis.set_title(f"{statistic} run", fontsize=10)
+        axis.grid(alpha=0.3)
+    axes[0].set_ylabel("true throughput / oracle")
+    axes[0].set_ylim(0.85, 1.005)
+    axes[1].legend(fontsize=8, loc="lower right")
+    figure.suptitle(title, fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)

@@ -1,7 +1,10 @@
 """Landscapes: the true throughput of every group of a search space.
 
 A landscape is a table, so measured oracle tables (every group run long enough to be trusted)
-and analytic models plug in the same way. Two analytic families are here:
+and analytic models plug in the same way. The measured tables are JSON files in
+``oracle_tables/``, written by the end-to-end benchmark on the shaped testbed
+(``python -m benchmarks.end_to_end --oracle-tables``; format: :meth:`Landscape.load`). Two
+analytic families are here:
 
 - :func:`cluster_landscape`, a cost model of data-parallel training on a GPU cluster: buckets of
   gradients are allreduced while the backward pass goes on; small buckets pay a per-message
@@ -16,11 +19,17 @@ and analytic models plug in the same way. Two analytic families are here:
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 from distune.space import Hyperparameters, ModelFacts, SearchSpace
+
+#: Where the measured oracle tables live.
+ORACLE_TABLES = Path(__file__).with_name("oracle_tables")
 
 
 @dataclass(frozen=True)
@@ -38,6 +47,36 @@ class Landscape:
         """Evaluate ``function`` on every group of the space of ``facts``."""
         space = SearchSpace.for_model(facts)
         return cls(name, facts, {hp: function(hp) for hp in space})
+
+    @classmethod
+    def load(cls, path: Path) -> Landscape:
+        """A measured oracle table: JSON ``{"name", "facts": {ModelFacts' fields},
+        "throughput": [{"bucket_size_2p", "is_hierarchical_reduce", "throughput"}, ...]}``
+        with one entry for every group of the facts' search space (other keys are notes)."""
+        data = json.loads(path.read_text())
+        facts = ModelFacts(**data["facts"])
+        table = {
+            Hyperparameters(row["bucket_size_2p"], row["is_hierarchical_reduce"]): float(
+                row["throughput"]
+            )
+            for row in data["throughput"]
+        }
+        expected = set(SearchSpace.for_model(facts))
+        if set(table) != expected:
+            raise ValueError(
+                f"{path}: the table must hold exactly the {len(expected)} groups of its space; "
+                f"missing {sorted(map(str, expected - set(table)))}, "
+                f"extra {sorted(map(str, set(table) - expected))}"
+            )
+        if any(not (math.isfinite(t) and t > 0) for t in table.values()):
+            raise ValueError(f"{path}: throughputs must be positive and finite")
+        return cls(data["name"], facts, table)
+
+    def dump(self, path: Path, **notes: Any) -> None:
+        """Write the table in :meth:`load`'s format, with ``notes`` as extra keys."""
+        rows = [{**hp.to_dict(), "throughput": t} for hp, t in self.throughput.items()]
+        data = {"name": self.name, "facts": asdict(self.facts), "throughput": rows, **notes}
+        path.write_text(json.dumps(data, indent=1) + "\n")
 
     @property
     def space(self) -> SearchSpace:
@@ -143,15 +182,28 @@ def hump_landscape(
     return Landscape.tabulate(name, facts, throughput)
 
 
-def standard_suite() -> list[Landscape]:
-    """The landscapes the optimizer settings were chosen on: clusters from 2 to 64 nodes,
-    models from 10M to 10B parameters, 25 to 400 Gbit/s between nodes, and a few humps."""
+def oracle_tables(directory: Path = ORACLE_TABLES) -> list[Landscape]:
+    """The measured oracle tables in ``directory`` (none if it does not exist), by file name."""
+    if not directory.is_dir():
+        return []
+    return [Landscape.load(path) for path in sorted(directory.glob("*.json"))]
+
+
+def standard_suite(directory: Path = ORACLE_TABLES) -> list[Landscape]:
+    """The landscapes the optimizer settings are judged on: clusters from 2 to 64 nodes (and one
+    node alone), models from 10M to 10B parameters, 25 to 400 Gbit/s between nodes; a few humps;
+    and the oracle tables measured on the testbed."""
     clusters = [
         ("gpt-10M/2n/25G", Cluster(10e6, 2, inter_node_gbit=25)),
+        ("gpt-10M/64n/400G", Cluster(10e6, 64, inter_node_gbit=400)),
         ("gpt-100M/4n/100G", Cluster(100e6, 4)),
+        ("gpt-100M/64n/25G", Cluster(100e6, 64, inter_node_gbit=25)),
         ("gpt-350M/16n/25G", Cluster(350e6, 16, inter_node_gbit=25)),
+        ("gpt-1B/2n/25G", Cluster(1e9, 2, inter_node_gbit=25)),
         ("gpt-1B/8n/400G", Cluster(1e9, 8, inter_node_gbit=400)),
         ("gpt-1B/32n/100G", Cluster(1e9, 32)),
+        ("gpt-3B/16n/400G", Cluster(3e9, 16, inter_node_gbit=400)),
+        ("gpt-10B/8n/25G", Cluster(10e9, 8, inter_node_gbit=25)),
         ("gpt-10B/64n/100G", Cluster(10e9, 64)),
         ("gpt-100M/1n/nvlink", Cluster(100e6, 1)),
     ]
@@ -161,4 +213,5 @@ def standard_suite() -> list[Landscape]:
         hump_landscape("hump/hier-wins-low", two_nodes, 18.0, 23.0, 1.5, -2.0, 1.08),
         hump_landscape("hump/wide-plateau", two_nodes, 18.0, 27.0, 2.0, 1.0, 0.97),
     ]
-    return [cluster_landscape(name, c) for name, c in clusters] + humps
+    analytic = [cluster_landscape(name, c) for name, c in clusters]
+    return analytic + humps + oracle_tables(directory)
