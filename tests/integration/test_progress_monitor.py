@@ -10,7 +10,7 @@ import requests
 
 from distune.launcher.progress import ProgressMonitor
 from distune.launcher.service_process import TuningServiceProcess
-from distune.launcher.summary import describe_group
+from distune.wording import describe_group
 
 pytestmark = pytest.mark.slow
 

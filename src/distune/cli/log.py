@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from distune.cli.wording import describe_hyperparameters, format_gain, format_rate
+from distune.wording import describe_hyperparameters, format_gain, format_rate
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from distune.cli import CommandError
-from distune.cli.wording import RATE_UNIT, describe_hyperparameters, format_gain, format_rate
+from distune.wording import RATE_UNIT, describe_hyperparameters, format_gain, format_rate
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

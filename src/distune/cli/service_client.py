@@ -11,51 +11,28 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import requests
 
 from distune.cli import CommandError
+from distune.service_auth import (
+    SERVICE_TOKEN_FILE,
+    TokenError,
+    read_token_file,
+    token_from_environment,
+)
 from distune.worker_settings import SERVICE_TOKEN, SERVICE_URL
 
-#: A file holding the service's token (first line), for when the environment should not.
-SERVICE_TOKEN_FILE = "DISTUNE_SERVICE_TOKEN_FILE"
 #: Seconds to wait for the service's answer.
 DEFAULT_TIMEOUT = 5.0
-#: A token file is read up to this many bytes; a token is far shorter.
-_TOKEN_FILE_LIMIT = 4096
 
 
 class ServiceError(CommandError):
     """The service cannot be reached or asked; the message says which and why."""
-
-
-def read_token_file(path: str | os.PathLike[str]) -> str:
-    """The token in the first line of ``path``, a regular file no group or other user may read."""
-    path = Path(path)
-    try:
-        info = path.stat()
-        if not stat.S_ISREG(info.st_mode):
-            raise ServiceError(f"the token file {path} is not a regular file")
-        if info.st_mode & (stat.S_IRGRP | stat.S_IROTH):
-            raise ServiceError(
-                f"the token file {path} is readable by other users "
-                f"(mode {stat.S_IMODE(info.st_mode):04o}); make it private: chmod 600 {path}"
-            )
-        with path.open("rb") as file:
-            data = file.read(_TOKEN_FILE_LIMIT)
-    except OSError as error:
-        raise ServiceError(f"cannot read the token file {path}: {error.strerror}") from None
-    lines = data.decode("utf-8", "replace").splitlines()
-    token = lines[0].strip() if lines else ""
-    if not token:
-        raise ServiceError(f"the token file {path} is empty")
-    return token
 
 
 def _check_url(url: str) -> str:
@@ -102,13 +79,13 @@ class ServiceConnection:
         url = url or environ.get(SERVICE_URL)
         if not url:
             raise ServiceError(f"which service? give --service URL or set {SERVICE_URL}")
-        if not token:
-            if token_file:
+        try:
+            if not token and token_file:
                 token = read_token_file(token_file)
-            elif environ.get(SERVICE_TOKEN):
-                token = environ[SERVICE_TOKEN]
-            elif environ.get(SERVICE_TOKEN_FILE):
-                token = read_token_file(environ[SERVICE_TOKEN_FILE])
+            elif not token:
+                token = token_from_environment(environ)
+        except TokenError as error:
+            raise ServiceError(str(error)) from None
         return cls(_check_url(url), token or None, timeout)
 
     def get(self, path: str) -> requests.Response:

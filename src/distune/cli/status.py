@@ -21,8 +21,9 @@ import sys
 import time
 from typing import Any, TextIO
 
-from distune.cli.service_client import SERVICE_TOKEN_FILE, ServiceConnection
-from distune.cli.wording import describe_group, format_gain, format_rate
+from distune.cli.service_client import ServiceConnection
+from distune.service_auth import SERVICE_TOKEN_FILE
+from distune.wording import describe_group, format_gain, format_rate
 from distune.worker_settings import SERVICE_TOKEN, SERVICE_URL
 
 HEADER = ("MODEL", "STATE", "SAMPLES", "CURRENT", "BEST", "SCORE", "GAIN")

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 from dataclasses import dataclass, replace
 
 from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
 
 from distune.launcher.options import AutotuneOptions, OptionError
 from distune.launcher.placement import ServicePlacement, place_service
-from distune.launcher.service_token import job_token
+from distune.service_auth import SERVICE_TOKEN_FILE, TokenError, token_from_environment
 from distune.space import DEFAULT_BUCKET_SIZE, bucket_size_2p_for
-from distune.worker_settings import SYNC_INTERVAL, SettingsError, WorkerSettings
+from distune.worker_settings import SERVICE_TOKEN, SYNC_INTERVAL, SettingsError, WorkerSettings
 
 #: Where ``--is_output_autotune_log`` puts the log (with an unpredictable name), as Bagua does.
 DEFAULT_LOG_DIR = "/tmp"
@@ -93,6 +94,26 @@ def _service_args(options: AutotuneOptions, placement: ServicePlacement) -> tupl
     return tuple(argv)
 
 
+def _job_token(multi_node: bool) -> str:
+    """The token the user gave, or a random one for a single-node job.
+
+    A multi-node job needs the same token on every node, and its service listens on the network,
+    so there a missing token is an error rather than something to make up.
+    """
+    try:
+        token = token_from_environment(os.environ)
+    except TokenError as error:
+        raise OptionError(str(error)) from None
+    if token is not None:
+        return token
+    if multi_node:
+        raise OptionError(
+            f"multi-node tuning needs {SERVICE_TOKEN} or {SERVICE_TOKEN_FILE} set to the same "
+            "secret on every node (the service is reachable from the network)"
+        )
+    return secrets.token_urlsafe(32)
+
+
 def plan_launch(args: argparse.Namespace, options: AutotuneOptions) -> LaunchPlan:
     """Decide what to start; raises OptionError for settings that cannot work together."""
     settings = WorkerSettings(
@@ -110,7 +131,7 @@ def plan_launch(args: argparse.Namespace, options: AutotuneOptions) -> LaunchPla
         return LaunchPlan(placement=None, service_args=(), token=None, settings=settings)
 
     placement = place_service(args, options)
-    token = job_token(os.environ, placement.multi_node)
+    token = _job_token(placement.multi_node)
     settings = replace(settings, service_url=placement.url, service_token=token)
     service_args = _service_args(options, placement) if placement.hosted_here else ()
     return LaunchPlan(

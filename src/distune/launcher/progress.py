@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from distune.launcher.service_process import TuningServiceProcess
-from distune.launcher.summary import describe_group, format_gain, format_rate
 from distune.space import HyperparameterError, Hyperparameters
+from distune.wording import describe_group, format_gain, format_rate
 
 #: Seconds between two polls of the service.
 POLL_INTERVAL = 1.0

@@ -1,35 +1,10 @@
-"""The end-of-run summary the launcher prints from the service's last ``/api/v1/status``, and
-the wording of groups, rates and gains that it shares with the progress lines."""
+"""The end-of-run summary the launcher prints from the service's last ``/api/v1/status``."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from distune.space import HyperparameterError, Hyperparameters
-
-
-def describe_group(group: Any) -> str:
-    """A group of the REST API (``{"id", "hyperparameters"}``) in words."""
-    try:
-        return Hyperparameters.from_dict(group["hyperparameters"]).describe()
-    except (HyperparameterError, KeyError, TypeError):
-        return "an unknown group"
-
-
-def format_rate(value: Any) -> str:
-    """A score (training iterations per second)."""
-    try:
-        return f"{float(value):.4g} it/s"
-    except (TypeError, ValueError):
-        return "not measured"
-
-
-def format_gain(value: Any) -> str:
-    """A gain over the default group, as a signed percentage."""
-    try:
-        return f"{float(value):+.1%}"
-    except (TypeError, ValueError):
-        return "unknown"
+from distune.wording import describe_group, format_gain, format_rate
 
 
 def format_summary(
@@ -58,14 +33,17 @@ def format_summary(
             f"{model.get('samples')} of at most {model.get('max_samples')} samples{as_of}"
         )
         if best is None:
-            current = describe_group(model.get("current"))
+            current = describe_group(model.get("current"), "an unknown group")
             lines.append(f"  current group: {current} (nothing chosen yet)")
             continue
-        chosen, score = describe_group(best.get("group")), format_rate(best.get("score"))
+        chosen, score = (
+            describe_group(best.get("group"), "an unknown group"),
+            format_rate(best.get("score"), "not measured"),
+        )
         lines.append(f"  chosen group:  {chosen}, {score}")
         lines.append(
-            f"  default group: {format_rate(model.get('default_score'))}; "
-            f"gain {format_gain(best.get('gain_vs_default'))}"
+            f"  default group: {format_rate(model.get('default_score'), 'not measured')}; "
+            f"gain {format_gain(best.get('gain_vs_default'), 'unknown')}"
         )
     if status is not None and not lines:
         lines.append("distune: no model registered with the tuning service")

@@ -1,0 +1,54 @@
+"""How distune words groups, throughputs and gains for people: the launcher's progress lines and
+summary and the ``distune`` commands all say ``bucket 2^22 B (4 MiB), flat``, ``12.31 it/s`` and
+``+4.2%`` the same way.
+
+Every function takes what the REST API or the CSV log holds, which may be missing or malformed,
+and returns ``missing`` (a table's ``-`` by default) rather than raising: a view must not crash
+on a value it cannot word.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from distune.space import HyperparameterError, Hyperparameters
+
+#: The unit of a score: distune's workers report training iterations per second.
+RATE_UNIT = "it/s"
+
+
+def describe_hyperparameters(
+    bucket_size_2p: Any, is_hierarchical_reduce: Any, missing: str = "?"
+) -> str:
+    """A group's knobs in words (as in the CSV log's columns)."""
+    try:
+        return Hyperparameters(int(bucket_size_2p), bool(is_hierarchical_reduce)).describe()
+    except (HyperparameterError, TypeError, ValueError):
+        return missing
+
+
+def describe_group(group: Any, missing: str = "?") -> str:
+    """A group of the REST API (``{"id", "hyperparameters": {...}}``) in words."""
+    try:
+        return Hyperparameters.from_dict(group["hyperparameters"]).describe()
+    except (HyperparameterError, KeyError, TypeError):
+        return missing
+
+
+def format_rate(value: Any, missing: str = "-") -> str:
+    """A score, e.g. ``12.31 it/s``."""
+    try:
+        rate = float(value)
+    except (TypeError, ValueError):
+        return missing
+    return f"{rate:.4g} {RATE_UNIT}" if math.isfinite(rate) else missing
+
+
+def format_gain(value: Any, missing: str = "-") -> str:
+    """A gain over the default group, as a signed percentage, e.g. ``+4.2%``."""
+    try:
+        gain = float(value)
+    except (TypeError, ValueError):
+        return missing
+    return f"{gain:+.1%}" if math.isfinite(gain) else missing
