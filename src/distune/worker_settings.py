@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from distune.space import DEFAULT_BUCKET_SIZE
 
@@ -44,7 +44,7 @@ class WorkerSettings:
 
     autotune_level: int = 0
     service_url: str | None = None
-    service_token: str | None = None
+    service_token: str | None = field(default=None, repr=False)  # never in a log line
     bucket_size: int | None = None
     hierarchical_reduce: bool | None = None
     default_bucket_size: int = DEFAULT_BUCKET_SIZE

@@ -48,3 +48,9 @@ def test_bad_values_name_the_variable(env, message):
     with pytest.raises(SettingsError) as info:
         WorkerSettings.from_env(env)
     assert message in str(info.value)
+
+
+def test_the_token_stays_out_of_the_settings_repr():
+    settings = WorkerSettings(autotune_level=1, service_url="http://h:1", service_token="s3cret")
+    assert "s3cret" not in repr(settings)
+    assert WorkerSettings.from_env(settings.to_env()).service_token == "s3cret"

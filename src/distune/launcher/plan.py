@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
 
@@ -32,7 +32,7 @@ class LaunchPlan:
 
     placement: ServicePlacement | None
     service_args: tuple[str, ...]
-    token: str | None
+    token: str | None = field(repr=False)  # never in a log line
     settings: WorkerSettings
 
     @property
