@@ -1,0 +1,1 @@
+"""Worker scripts for the fault-injection benchmark (``benchmarks/fault_injection.py``)."""
