@@ -9,8 +9,13 @@ ratios: of the medians, and the median of the per-round ratios distune/torch.
 
     .venv/bin/python benchmarks/runtime_overhead.py             # prints a JSON summary
     .venv/bin/python benchmarks/runtime_overhead.py --rounds 200 --output result.json
+    .venv/bin/python benchmarks/runtime_overhead.py --testbed 2gbit   # 2 namespaces (root)
 
 A step is ``zero_grad``, forward, backward (gradients averaged), ``optimizer.step()`` (SGD).
+
+With ``--testbed RATE`` the ranks run on the shaped testbed (``benchmarks/testbed``) instead of
+loopback: ``--nodes`` network namespaces joined by links shaped to RATE, ``--nproc`` ranks on
+each (started by torchrun in every namespace), so the gradients cross a real bottleneck link.
 """
 
 from __future__ import annotations
@@ -23,8 +28,11 @@ import platform
 import resource
 import socket
 import statistics
+import sys
+import tempfile
 import time
 from datetime import date, timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +41,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import distune
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: find benchmarks/
+from benchmarks.testbed.rate import LinkRate
 
 VARIANTS = ("compute", "torch", "distune")
 
@@ -63,6 +74,25 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, queue: Any) -> No
     dist.init_process_group(
         "gloo", rank=rank, world_size=args.nproc, timeout=timedelta(seconds=120)
     )
+    raw = _measure(rank, args)
+    if rank == 0:
+        queue.put(raw)
+
+
+def _testbed_rank_main(args: argparse.Namespace) -> None:
+    """One rank on the testbed, started by torchrun: the process group comes from its
+    environment; rank 0 writes the raw figures to ``--worker-output``."""
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    rank = dist.get_rank()
+    raw = _measure(rank, args)
+    if rank == 0:
+        with open(args.worker_output, "w") as out:
+            json.dump(raw, out)
+
+
+def _measure(rank: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Every variant, step by step interleaved; rank 0's figures (the group is torn down)."""
     models = {
         "compute": mlp(args.io, args.width, args.layers),
         "torch": nn.parallel.DistributedDataParallel(
@@ -100,17 +130,16 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, queue: Any) -> No
                 )
     parameters = sum(p.numel() for p in models["compute"].parameters())
     buckets = len(models["distune"]._reducer.bucket_sizes)
+    world_size = dist.get_world_size()
     dist.destroy_process_group()
-    if rank == 0:
-        queue.put(
-            {
-                "times": times,
-                "cpu": cpu_times,
-                "faults": faults,
-                "parameters": parameters,
-                "distune_buckets": buckets,
-            }
-        )
+    return {
+        "times": times,
+        "cpu": cpu_times,
+        "faults": faults,
+        "parameters": parameters,
+        "distune_buckets": buckets,
+        "world_size": world_size,
+    }
 
 
 def summarize(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -123,7 +152,13 @@ def summarize(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "date": date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
         "torch": torch.__version__,
-        "ranks": args.nproc,
+        "network": (
+            f"testbed: {args.nodes} nodes x {args.nproc} ranks, links shaped to {args.testbed}"
+            if args.testbed
+            else "loopback"
+        ),
+        "load_average": list(os.getloadavg()),
+        "ranks": raw["world_size"],
         "threads_per_rank": args.threads,
         "model": f"MLP io={args.io} width={args.width} layers={args.layers}",
         "parameters": raw["parameters"],
@@ -150,7 +185,17 @@ def summarize(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument(
+        "--nproc", type=int, default=None, help="ranks (default 2; on the testbed: per node, 1)"
+    )
+    parser.add_argument(
+        "--testbed",
+        metavar="RATE",
+        type=LinkRate.parse,
+        help="run on the shaped testbed, links at RATE (e.g. 2gbit); needs root",
+    )
+    parser.add_argument("--nodes", type=int, default=2, help="testbed nodes (default 2)")
+    parser.add_argument("--worker-output", help=argparse.SUPPRESS)  # a testbed rank, internal
     parser.add_argument("--io", type=int, default=1024, help="input and output width")
     parser.add_argument("--width", type=int, default=2304, help="hidden width (15.3M params)")
     parser.add_argument("--layers", type=int, default=4, help="Linear layers (default 4)")
@@ -165,16 +210,45 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.bucket_size & (args.bucket_size - 1):
         parser.error("--bucket-size must be a power of two, so both engines use the same size")
-    context = mp.get_context("spawn")
-    queue = context.SimpleQueue()
-    mp.spawn(_rank_main, args=(args, _free_port(), queue), nprocs=args.nproc)
-    summary = summarize(queue.get(), args)
+    if args.nproc is None:
+        args.nproc = 1 if args.testbed else 2
+    if args.worker_output:
+        _testbed_rank_main(args)
+        return {}
+    if args.testbed:
+        raw = _run_on_testbed(args, argv if argv is not None else sys.argv[1:])
+    else:
+        context = mp.get_context("spawn")
+        queue = context.SimpleQueue()
+        mp.spawn(_rank_main, args=(args, _free_port(), queue), nprocs=args.nproc)
+        raw = queue.get()
+    summary = summarize(raw, args)
     text = json.dumps(summary, indent=2)
     print(text)
     if args.output:
         with open(args.output, "w") as out:
             out.write(text + "\n")
     return summary
+
+
+def _run_on_testbed(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """This script's ranks under torchrun on every node of a shaped testbed; rank 0's figures."""
+    from benchmarks.testbed import TORCHRUN, Testbed, run_distune
+
+    with tempfile.TemporaryDirectory(prefix="distune-overhead-") as directory:
+        raw_path = os.path.join(directory, "raw.json")
+        script = [os.path.abspath(__file__), *argv, "--worker-output", raw_path]
+        with Testbed(args.nodes, args.testbed) as bed:
+            print(bed.describe(), file=sys.stderr, flush=True)
+            results = run_distune(
+                bed, script, nproc_per_node=args.nproc, launcher=TORCHRUN,
+                output_dir=Path(directory), timeout=3600,
+            )  # fmt: skip
+        failed = [r for r in results if not r.ok]
+        if failed:
+            sys.exit(f"node {failed[0].rank} failed:\n{failed[0].read_output()[-3000:]}")
+        with open(raw_path) as raw:
+            return json.load(raw)
 
 
 if __name__ == "__main__":
