@@ -17,7 +17,7 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from distune.launcher.options import OptionError, parse
-from distune.launcher.plan import LaunchPlan, plan_launch
+from distune.launcher.plan import LaunchPlan, plan_launch, restart_caveat
 from distune.launcher.progress import ProgressMonitor
 from distune.launcher.service_process import ServiceStartError, TuningServiceProcess
 from distune.launcher.stop_signals import StopSignals
@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     except OptionError as error:
         print(f"distune-run: error: {error}", file=sys.stderr)
         return 2
+    caveat = restart_caveat(args)
+    if caveat is not None:
+        print(f"distune-run: warning: {caveat}", file=sys.stderr)
     stop_signals = StopSignals()
     stop_signals.install()
 

@@ -94,6 +94,31 @@ def _service_args(options: AutotuneOptions, placement: ServicePlacement) -> tupl
     return tuple(argv)
 
 
+#: The setting with which torch's c10d rendezvous gives workers a store of their own.
+UNSHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def restart_caveat(args: argparse.Namespace) -> str | None:
+    """A warning for a job whose restarts torch 2.13 may break, or None.
+
+    With static rendezvous (torchrun's default) one store serves every attempt, and with c10d
+    the workers share the agent's store unless told otherwise: either way a restarted worker
+    can read its predecessor's address and fail to connect (pytorch/pytorch#135712). The
+    launcher says so rather than change torchrun's defaults behind the user's back.
+    """
+    if args.max_restarts < 1:
+        return None
+    c10d = args.standalone or args.rdzv_backend == "c10d"
+    if c10d and os.environ.get(UNSHARED_STORE) == "1":
+        return None
+    return (
+        f"--max_restarts {args.max_restarts}: with torch's {'c10d' if c10d else 'static'} "
+        "rendezvous as configured, restarted workers may be handed their predecessors' "
+        f"addresses and fail to connect; for reliable restarts use --rdzv_backend c10d (or "
+        f"--standalone) with {UNSHARED_STORE}=1 (pytorch/pytorch#135712)"
+    )
+
+
 def _job_token(multi_node: bool) -> str:
     """The token the user gave, or a random one for a single-node job.
 

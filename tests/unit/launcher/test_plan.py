@@ -4,7 +4,7 @@ import pytest
 
 from distune.launcher.options import OptionError, parse
 from distune.launcher.placement import is_local_address, is_wildcard_address
-from distune.launcher.plan import plan_launch
+from distune.launcher.plan import UNSHARED_STORE, plan_launch, restart_caveat
 from distune.worker_settings import WorkerSettings
 
 
@@ -277,3 +277,26 @@ def test_bad_token_files_are_refused(tmp_path, monkeypatch, mode, text, message)
     monkeypatch.setenv("DISTUNE_SERVICE_TOKEN_FILE", str(tmp_path / "missing"))
     with pytest.raises(OptionError, match="No such file"):
         plan("--autotune_level", "1")
+
+
+@pytest.mark.parametrize(
+    ("flags", "unshared", "warned"),
+    [
+        ([], None, False),
+        (["--max_restarts", "1"], None, True),
+        (["--max_restarts", "1"], "1", True),  # static: one store for every attempt
+        (["--max_restarts", "1", "--rdzv_backend", "c10d"], None, True),
+        (["--max_restarts", "1", "--rdzv_backend", "c10d"], "1", False),
+        (["--max_restarts", "2", "--standalone"], "1", False),
+    ],
+)
+def test_restarts_torch_may_break_are_warned_about(flags, unshared, warned, monkeypatch):
+    if unshared is None:
+        monkeypatch.delenv(UNSHARED_STORE, raising=False)
+    else:
+        monkeypatch.setenv(UNSHARED_STORE, unshared)
+    args, _ = parse([*flags, "--nproc_per_node", "2", "train.py"])
+    caveat = restart_caveat(args)
+    assert (caveat is not None) == warned
+    if warned:
+        assert "--max_restarts" in caveat and f"{UNSHARED_STORE}=1" in caveat
