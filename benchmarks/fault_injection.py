@@ -20,6 +20,7 @@ processes; and writes every run's record as JSON. Usage::
 
     python -m benchmarks.fault_injection                      # everything, ~30 min loaded
     python -m benchmarks.fault_injection --scenario service-kill --runs 8 --seed 1
+    python -m benchmarks.fault_injection --merge a.json b.json  # one table from batches
 """
 
 from __future__ import annotations
@@ -113,6 +114,28 @@ def summarize(results: list[RunResult]) -> list[str]:
     return lines
 
 
+def _write_record(
+    path: Path, argv: list[str], started: float, reference: str | None, results: list[RunResult]
+) -> None:
+    record = {
+        "command": " ".join(["python -m benchmarks.fault_injection", *argv]),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
+        "minutes": (time.time() - started) / 60,
+        "machine": f"{platform.node()} {platform.machine()} {platform.platform()}",
+        "reference_sha256": reference,
+        "runs": [r.to_dict() for r in results],
+        "table": summarize(results),
+    }
+    path.write_text(json.dumps(record, indent=1))
+
+
+def merge(paths: list[Path]) -> int:
+    """Print one table from the records of several invocations; exit 1 if a run had a problem."""
+    results = [RunResult(**run) for path in paths for run in json.loads(path.read_text())["runs"]]
+    print("\n".join(summarize(results)))
+    return 1 if any(r.problems for r in results) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the scenarios; exit 1 if any run had a problem."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -120,7 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=None, help="runs per scenario")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=WorkerSpec.steps, help="steps per job")
-    parser.add_argument("--json", type=Path, default=None, help="write every run's record here")
+    parser.add_argument(
+        "--json", type=Path, default=None, help="write every run's record here (after each run)"
+    )
+    parser.add_argument(
+        "--merge", type=Path, nargs="+", default=None, help="print one table from these --json"
+    )
     parser.add_argument(
         "--restart-rendezvous",
         choices=("isolated", "static"),
@@ -128,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         help="worker-kill jobs: c10d with a store per attempt, or torchrun's default",
     )
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge(args.merge)
+    given = sys.argv[1:] if argv is None else argv
     spec = WorkerSpec(steps=args.steps)
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="distune_faults_") as temporary:
@@ -147,19 +178,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"(observed {result.observed}, {result.seconds:.0f} s): {verdict}",
                 flush=True,
             )
-    lines = summarize(results)
-    print("\n".join(lines))
-    if args.json is not None:
-        record = {
-            "command": " ".join(["python -m benchmarks.fault_injection", *(argv or sys.argv[1:])]),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
-            "minutes": (time.time() - started) / 60,
-            "machine": f"{platform.node()} {platform.machine()} {platform.platform()}",
-            "reference_sha256": reference,
-            "runs": [r.to_dict() for r in results],
-            "table": lines,
-        }
-        args.json.write_text(json.dumps(record, indent=1))
+            if args.json is not None:  # after each run: a batch cut short keeps what it did
+                _write_record(args.json, given, started, reference, results)
+    print("\n".join(summarize(results)))
     return 1 if any(r.problems for r in results) else 0
 
 

@@ -6,8 +6,9 @@
   measured at most once by the search and at most once more to confirm it (a restarted job
   resumes its session instead of starting the search again);
 * the dead service reported once: one launcher notice that it died, and the group the model
-  keeps named once (by the leader's warning, or by the notice for a model that had completed),
-  which must be the group it ran to the end.
+  keeps named (by the leader's warning, or by the notice for a model that had completed, or by
+  both when the service died between completing the model and the leader learning of it), and
+  every naming must be the group it ran to the end.
 """
 
 from __future__ import annotations

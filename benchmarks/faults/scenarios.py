@@ -58,6 +58,8 @@ class RunResult:
     leftovers: int = 0
     stop_seconds: float | None = None
     seconds: float = 0.0
+    #: Workers that aborted at exit in C++ ("terminate called ..."): not a tuner fault, counted.
+    aborts: int = 0
     problems: list[str] = field(default_factory=list)
     #: The job's last output lines, kept when something went wrong.
     output_tail: list[str] = field(default_factory=list)
@@ -96,6 +98,7 @@ def _finish(job: FaultJob, result: RunResult, service_url: str | None) -> None:
         result.problems.append(f"still running {HANG_SECONDS:.0f} s after the fault")
         job.kill_all()
     result.exit_code = code
+    result.aborts = job.output.count("terminate called")
     result.leftovers = len(job.leftovers())
     if result.leftovers:
         result.problems.append(f"{result.leftovers} processes left behind")
@@ -223,9 +226,12 @@ def service_kill(
     named, ranks = checks.kept_groups(job.output), worker_results(out)
     if 0 in ranks:
         kept = ranks[0]["groups"][-1][1]
-        result.kept_group_right = named == [kept]
+        # Named once, or twice when the service died after completing the model but before the
+        # leader learned of it: then rank 0 (what it keeps) and the launcher (what the service
+        # chose) both speak, and both must be right.
+        result.kept_group_right = bool(named) and set(named) == {kept}
         if not result.kept_group_right:
-            result.problems.append(f"the leader says it keeps {named}, it kept {kept!r}")
+            result.problems.append(f"the output says the job keeps {named}, it kept {kept!r}")
     return _with_output(result, job)
 
 
