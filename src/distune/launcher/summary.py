@@ -40,7 +40,12 @@ def format_summary(
             describe_group(best.get("group"), "an unknown group"),
             format_rate(best.get("score"), "not measured"),
         )
-        lines.append(f"  chosen group:  {chosen}, {score}")
+        if model.get("state") == "completed":
+            lines.append(f"  chosen group:  {chosen}, {score}")
+        else:
+            # Tuning did not finish: nothing was chosen, and the job ran its current group.
+            current = describe_group(model.get("current"), "an unknown group")
+            lines.append(f"  best so far:   {chosen}, {score} (the job ended on {current})")
         lines.append(
             f"  default group: {format_rate(model.get('default_score'), 'not measured')}; "
             f"gain {format_gain(best.get('gain_vs_default'), 'unknown')}"

@@ -21,7 +21,7 @@ def test_completed_model_shows_choice_scores_gain_and_files():
     }
     text = "\n".join(format_summary(status, "/tmp/distune_autotune_x.log", "/tmp/best.json"))
     assert "model model0: completed after 8 of at most 20 samples" in text
-    assert "bucket 2^22 B (4 MiB), flat, 12.3 it/s" in text
+    assert "chosen group:  bucket 2^22 B (4 MiB), flat, 12.3 it/s" in text
     assert "default group: 11.8 it/s; gain +4.2%" in text
     assert "autotune log: /tmp/distune_autotune_x.log" in text
     assert "best-file: /tmp/best.json" in text
@@ -43,6 +43,28 @@ def test_model_without_a_choice_shows_its_current_group():
     text = "\n".join(format_summary(status, None, None))
     assert "current group: bucket 2^25 B (32 MiB), flat (nothing chosen yet)" in text
     assert "log" not in text
+
+
+def test_a_model_still_sampling_shows_its_best_so_far_not_a_choice():
+    status = {
+        "models": {
+            "m": {
+                "state": "sampling",
+                "samples": 9,
+                "max_samples": 20,
+                "current": DEFAULT,
+                "best": {"group": GROUP, "score": 28.0, "gain_vs_default": 0.072},
+                "default_score": 26.1,
+            }
+        }
+    }
+    text = "\n".join(format_summary(status, None, None))
+    assert "chosen" not in text
+    assert (
+        "best so far:   bucket 2^22 B (4 MiB), flat, 28 it/s "
+        "(the job ended on bucket 2^25 B (32 MiB), flat)"
+    ) in text
+    assert "gain +7.2%" in text
 
 
 def test_unanswered_status_says_so():
