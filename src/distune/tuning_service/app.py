@@ -60,6 +60,8 @@ def create_app(service: TuningService, token: str | None = None) -> Flask:
     """The WSGI application serving ``service``; with ``token``, every route but health needs
     ``Authorization: Bearer <token>``."""
     app = Flask("distune.tuning_service", static_folder=None)
+    # A doubled slash (a model named "m/") is a 404, not an HTML redirect to another model's URL.
+    app.url_map.merge_slashes = False
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.json.sort_keys = False  # keep the documented field order
     expected = None if token is None else f"Bearer {token}".encode()

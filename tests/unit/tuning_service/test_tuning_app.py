@@ -251,6 +251,14 @@ def test_wrong_method_and_unknown_route_are_json(client):
     assert "error" in response.get_json()
 
 
+def test_a_doubled_slash_is_a_json_404_not_a_redirect(client):
+    register(client, "m")
+    for path in ("/api/v1/models/m//report", "/api/v1/models//m/report"):
+        response = client.post(path, json={"group_id": 0})
+        assert response.status_code == 404, path
+        assert "error" in response.get_json()
+
+
 def test_bodies_over_one_mebibyte_get_413(client):
     register(client)
     body = json.dumps({"group_id": 0, "pad": "x" * MAX_BODY_BYTES})
