@@ -15,11 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from benchmarks.faults.job import MARKER, processes_with
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-MARKER = "DISTUNE_E2E_MARKER"
 # A small MLP: 6 groups from 2^16 to 2^21 bytes, a few ms a step.
 SMALL_MLP = [str(EXAMPLES / "train_mlp.py"), "--width", "256", "--depth", "3", "--log-every", "0.5"]
 # Short tuning: windows of 0.25 s, so a job of ~15 s tunes several groups.
@@ -28,35 +28,6 @@ FAST_TUNING = [
     "--autotune_sampling_confidence_time", "1",
     "--autotune_max_samples", "4",
 ]  # fmt: skip
-
-
-def processes_with(marker: str) -> list[int]:
-    """Pids of live processes whose environment carries ``marker`` (every child inherits it)."""
-    needle = f"{MARKER}={marker}".encode()
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if needle in environ.split(b"\0") and state != "Z":
-            pids.append(int(entry.name))
-    return pids
-
-
-def port_is_free(port: int) -> bool:
-    """Whether nothing listens on ``port`` on loopback any more."""
-    import socket
-
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 class Launcher:

@@ -10,8 +10,9 @@ from urllib.parse import urlsplit
 
 import pytest
 import requests
+from benchmarks.faults.job import port_is_free, processes_with
 
-from .conftest import FAST_TUNING, SCRIPTS, SMALL_MLP, port_is_free
+from .conftest import FAST_TUNING, SCRIPTS, SMALL_MLP
 
 pytestmark = pytest.mark.slow
 
@@ -148,8 +149,6 @@ def test_invalid_flag_exits_2_before_anything_starts(launch):
 
 
 def _family(run) -> list[int]:
-    from .conftest import processes_with
-
     return processes_with(run.marker)
 
 

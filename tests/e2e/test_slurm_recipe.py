@@ -22,10 +22,11 @@ import uuid
 from pathlib import Path
 
 import pytest
+from benchmarks.faults.job import MARKER, port_is_free, processes_with
 
 from distune.space import Hyperparameters
 
-from .conftest import MARKER, REPO, port_is_free, processes_with
+from .conftest import REPO
 from .test_two_nodes import free_port_pair
 
 pytestmark = pytest.mark.slow

@@ -6,8 +6,9 @@ import csv
 import socket
 
 import pytest
+from benchmarks.faults.job import port_is_free
 
-from .conftest import FAST_TUNING, SMALL_MLP, port_is_free
+from .conftest import FAST_TUNING, SMALL_MLP
 
 pytestmark = pytest.mark.slow
 
