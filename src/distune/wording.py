@@ -36,19 +36,21 @@ def describe_group(group: Any, missing: str = "?") -> str:
         return missing
 
 
+def _finite(value: Any) -> float | None:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
 def format_rate(value: Any, missing: str = "-") -> str:
     """A score, e.g. ``12.31 it/s``."""
-    try:
-        rate = float(value)
-    except (TypeError, ValueError):
-        return missing
-    return f"{rate:.4g} {RATE_UNIT}" if math.isfinite(rate) else missing
+    rate = _finite(value)
+    return missing if rate is None else f"{rate:.4g} {RATE_UNIT}"
 
 
 def format_gain(value: Any, missing: str = "-") -> str:
     """A gain over the default group, as a signed percentage, e.g. ``+4.2%``."""
-    try:
-        gain = float(value)
-    except (TypeError, ValueError):
-        return missing
-    return f"{gain:+.1%}" if math.isfinite(gain) else missing
+    gain = _finite(value)
+    return missing if gain is None else f"{gain:+.1%}"
