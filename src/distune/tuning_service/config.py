@@ -51,9 +51,10 @@ class OptimizerSettings:
 
     ``initial_points`` counts the default group, which is always measured first.
     ``xi`` (EI, PI) and ``kappa`` (LCB) are in units of log-throughput, so ``xi=0.01`` asks for
-    about a 1% improvement. The search ends early once ``stop_min_groups`` groups have been
-    measured and the largest expected improvement of any unmeasured group is below
-    ``stop_improvement`` (a fraction of the best throughput; 0 disables early stopping).
+    about a 1% improvement. The search ends early once ``stop_min_groups`` groups, and at
+    least ``stop_min_share`` of the model's ``max_samples`` in groups, have been measured and
+    the largest expected improvement of any unmeasured group is below ``stop_improvement`` (a
+    fraction of the best throughput; 0 disables early stopping).
     """
 
     acquisition: str = "EI"
@@ -64,6 +65,7 @@ class OptimizerSettings:
     noise: str = "gaussian"
     stop_improvement: float = 0.002
     stop_min_groups: int = 8
+    stop_min_share: float = 0.5
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -78,6 +80,7 @@ class OptimizerSettings:
         _check_int("initial_points", self.initial_points, 1, 100)
         _check_number("stop_improvement", self.stop_improvement, 0.0, 1.0, low_open=False)
         _check_int("stop_min_groups", self.stop_min_groups, 1, 10_000)
+        _check_number("stop_min_share", self.stop_min_share, 0.0, 1.0, low_open=False)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 States: ``warmup`` (the first ``warmup_time`` reported seconds are ignored) -> ``sampling``
 (each group is measured for at least ``sampling_confidence_time`` reported seconds and
 ``min_windows`` windows, stalled windows not counted, then scored) -> ``completed`` (the best
-group by its robust score is handed out for good). The default group is handed out first and
+confirmed group, measured in two samples or more, by its robust score is handed out for good;
+the best of all only while no group is confirmed). The default group is handed out first and
 is the first group sampled.
 
 Everything the session decides follows from what it is told: the reports and their
@@ -25,11 +26,14 @@ How the next group is chosen (:meth:`TuningSession._next_sample`), in order:
 2. the best group and its runners-up within ``confirm_margin`` (``confirm_top`` in all) are
    *contenders*; one measured only once is re-measured ("confirm") when the search has
    converged, or when the budget left is only enough for the contenders (and the last
-   sample never explores: what it found would win unconfirmed);
+   sample never explores: what it found could not be confirmed). A confirmation that knocks
+   the leader down makes the next best a contender, confirmed in turn while budget remains;
+   when it runs out, a group measured once never wins over a confirmed one;
 3. otherwise the optimizer proposes an unmeasured group ("initial" while the space-filling
    design runs, "bayes" after). When every group has been measured, or (after
-   ``stop_min_groups`` groups) no unmeasured group is expected to beat the best by
-   ``stop_improvement``, the search has converged: go to 2, then complete.
+   ``stop_min_groups`` groups, and ``stop_min_share`` of ``max_samples`` in groups) no
+   unmeasured group is expected to beat the best by ``stop_improvement``, the search has
+   converged: go to 2, then complete.
 
 A re-measured group's windows are pooled with its earlier ones, and the optimizer is told the
 pooled score, so a second sample refines the estimate rather than competing with the first.
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import statistics
 import zlib
 from dataclasses import dataclass, field
@@ -132,7 +137,9 @@ class SampleRecord:
 
 @dataclass(frozen=True)
 class Best:
-    """The best group so far (the choice, once completed) by its robust score."""
+    """The group the session would choose now (its choice, once completed): the best robust
+    score among the confirmed groups (measured in two samples or more), or among all groups
+    while none is confirmed."""
 
     group: Group
     score: float
@@ -424,8 +431,15 @@ class TuningSession:
         return records
 
     def _best_so_far(self) -> Best:
+        """The group the session would choose now: the best pooled score among the confirmed
+        groups (measured in at least two samples), or among all while none is. A group
+        measured once can be high by luck (the best of many noisy samples is biased upwards);
+        when the budget runs out after confirmations knocked the leaders down, such a group
+        must not win over one whose score has survived a second look."""
         default_score = self._measurements[self.space.default].score
-        hp, measured = max(self._measurements.items(), key=lambda item: item[1].score)
+        confirmed = {hp: m for hp, m in self._measurements.items() if m.samples >= 2}
+        candidates = confirmed or self._measurements
+        hp, measured = max(candidates.items(), key=lambda item: item[1].score)
         group = self._latest_group(hp)
         return Best(group, measured.score, measured.score / default_score - 1.0)
 
@@ -489,11 +503,21 @@ class TuningSession:
                 return suggestion.hyperparameters, Phase.INITIAL
             if (
                 improvement >= settings.stop_improvement
-                or len(self._measurements) < settings.stop_min_groups
+                or len(self._measurements) < self._stop_min_groups
             ):
                 return suggestion.hyperparameters, Phase.BAYES
         self._converged = True  # every group measured, or nothing left worth measuring
         return self._next_sample()
+
+    @property
+    def _stop_min_groups(self) -> int:
+        """Groups to measure before the search may stop early. A share of the budget as well
+        as a fixed floor: on a flat landscape whose best group stands out by a few percent,
+        the GP has no reason to look for it, and a long budget is what lets the search find
+        it (docs/tuning_service.md has the figures)."""
+        settings = self.config.optimizer
+        share = math.ceil(settings.stop_min_share * self.config.max_samples)
+        return max(settings.stop_min_groups, share)
 
     def _stop_searching(self) -> None:
         # A numerical failure of the optimizer must not take the job's tuning down with it:

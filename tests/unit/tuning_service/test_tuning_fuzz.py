@@ -37,7 +37,7 @@ CONFIG = TuningConfig(
     warmup_time=0.5,
     seed=11,
     max_models=MAX_MODELS,
-    optimizer=OptimizerSettings(initial_points=2, stop_min_groups=2),
+    optimizer=OptimizerSettings(initial_points=2, stop_min_groups=2, stop_min_share=0.0),
 )
 ORDER = {"warmup": 0, "sampling": 1, "completed": 2}
 

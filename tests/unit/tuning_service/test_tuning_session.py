@@ -290,3 +290,37 @@ def test_an_optimizer_failure_ends_the_search_on_the_best_measured_group(monkeyp
     assert s.view.state is State.COMPLETED
     assert s.view.best.group.hyperparameters == Hyperparameters(25, False)
     assert [r.phase for r in records] == [Phase.DEFAULT, Phase.CONFIRM, Phase.COMPLETED]
+
+
+def test_a_group_measured_once_cannot_win_over_a_confirmed_one_when_the_budget_runs_out():
+    """Scripted by sample: the 2nd and 3rd groups measure high by luck and are confirmed with
+    the last two samples of the budget; both come down, and the 4th group, measured once (also
+    by luck), now has the highest score. The choice is the best confirmed group instead."""
+    measured = [100.0, 130.0, 128.0, 122.0, 110.0, 105.0]  # the rate of sample 1, 2, ...
+    s = session(TuningConfig(max_samples=6, sampling_confidence_time=3.0, warmup_time=0, seed=3))
+    while s.view.state is not State.COMPLETED:
+        window(s, measured[s.view.samples])
+    *samples, final = s.view.records
+    a, b, lucky = (samples[i].group.hyperparameters for i in (1, 2, 3))
+    assert [r.phase for r in samples[4:]] == [Phase.CONFIRM, Phase.CONFIRM]
+    assert [r.group.hyperparameters for r in samples[4:]] == [a, b]
+    # Pooled, a scores 120 (trimmed mean of 130, 130, 110, 110) and b 116.5: below the lucky
+    # group's single 122, which the best score alone would choose.
+    assert final.score == pytest.approx(120.0)
+    assert samples[3].score == pytest.approx(122.0)
+    assert final.group.hyperparameters == a != lucky
+    assert s.view.best.group == s.view.current == final.group
+    assert final.gain_vs_default == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("share, groups", [(0.0, 8), (0.5, 10)])
+def test_the_search_stops_early_only_after_a_share_of_the_budget(share, groups):
+    """On a smooth landscape the search converges as soon as it may: after ``stop_min_groups``
+    (8) groups, or half of the 20-sample budget's worth of groups with ``stop_min_share`` 0.5."""
+    settings = OptimizerSettings(stop_min_share=share)
+    s = session(TuningConfig(max_samples=20, warmup_time=0, seed=2, optimizer=settings))
+    samples = [
+        r for r in run_to_completion(s, noise=0.02, seed=2) if r.phase is not Phase.COMPLETED
+    ]
+    assert len({r.group.hyperparameters for r in samples}) == groups
+    assert len(samples) < 20

@@ -64,7 +64,7 @@ class SessionMachine(RuleBasedStateMachine):
             min_windows=min_windows,
             seed=5,
             # Two initial points: the Gaussian process is fitted within a few samples.
-            optimizer=OptimizerSettings(initial_points=2, stop_min_groups=2),
+            optimizer=OptimizerSettings(initial_points=2, stop_min_groups=2, stop_min_share=0.0),
             **rest,
         )
         self.session = TuningSession("m", facts, fixed, config)
