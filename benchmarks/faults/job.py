@@ -1,9 +1,10 @@
 """One ``distune-run`` of the deterministic worker, watched from outside as a user's tools would.
 
-:class:`FaultJob` starts the launcher as a subprocess with a known token (so it can read the
-service's ``/status`` and ``/log`` while the job runs), collects its output line by line, finds
-the service's and the workers' pids, and afterwards says what the job left behind. Every process
-of the job carries a marker in its environment, so leftovers are found whatever their parents.
+:class:`FaultJob` (a :class:`LauncherProcess`) starts the launcher as a subprocess with a known
+token (so it can read the service's ``/status`` and ``/log`` while the job runs), collects its
+output line by line, finds the service's and the workers' pids, and afterwards says what the
+job left behind. Every process of the job carries a marker in its environment, so leftovers are
+found whatever their parents.
 """
 
 from __future__ import annotations
@@ -111,50 +112,27 @@ def is_running(pid: int) -> bool:
     return state != "Z"
 
 
-class FaultJob:
-    """A running ``distune-run``; ``argv`` are its flags, script and script arguments.
+class LauncherProcess:
+    """``python -m distune.run ARGV`` as a subprocess whose combined output is collected line by
+    line, and every process it starts marked so that it can be found (and killed) afterwards.
 
-    ``token`` becomes the launcher's ``DISTUNE_SERVICE_TOKEN`` (None: the launcher's
-    environment has none, unless ``env`` adds it); ``env`` is added to the environment last.
-    ``rendezvous`` is torchrun's default (static, on a free ``--master_port``) or
-    :data:`RESTARTABLE` (for jobs whose workers restart).
+    The environment is this process's, without a service token (a job's token is the caller's
+    choice), with ``env`` added last. The fault benchmark and the launcher's end-to-end tests
+    both watch jobs through this class.
     """
 
-    def __init__(
-        self,
-        argv: list[str],
-        token: str | None,
-        env: dict[str, str] | None = None,
-        nproc: int = 2,
-        rendezvous: str = "static",
-    ) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
         self.marker = uuid.uuid4().hex
-        self.token = token
         environment = {
             name: value
             for name, value in os.environ.items()
             if name not in ("DISTUNE_SERVICE_TOKEN", "DISTUNE_SERVICE_TOKEN_FILE")
         }
         environment.update({MARKER: self.marker, "DISTUNE_SYNC_INTERVAL": "0.25"})
-        if token is not None:
-            environment["DISTUNE_SERVICE_TOKEN"] = token
-        if rendezvous == RESTARTABLE:
-            where, extra = isolated_rendezvous()
-            environment.update(extra)
-        else:
-            where = ["--master_port", str(free_port())]
         environment.update(env or {})
         self.started = time.monotonic()
         self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "distune.run",
-                "--nproc_per_node",
-                str(nproc),
-                *where,
-                *argv,
-            ],
+            [sys.executable, "-m", "distune.run", *argv],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -166,9 +144,6 @@ class FaultJob:
         self._changed = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        self._session = requests.Session()
-        if token is not None:
-            self._session.headers["Authorization"] = f"Bearer {token}"
 
     def _read(self) -> None:
         assert self.process.stdout is not None
@@ -198,6 +173,63 @@ class FaultJob:
                 if remaining <= 0 or not self._reader.is_alive():
                     return None
                 self._changed.wait(min(remaining, 0.2))
+
+    def wait(self, timeout: float) -> int | None:
+        """The exit code, or None if the job is still running after ``timeout`` (a hang)."""
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        self._reader.join(10)
+        return code
+
+    def leftovers(self, grace: float = 10.0) -> list[int]:
+        """Processes of this job still alive after ``grace`` seconds."""
+        deadline = time.monotonic() + grace
+        while (alive := processes_with(self.marker)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return alive
+
+    def kill_all(self) -> None:
+        """SIGKILL the launcher and everything it started (after a hang; a no-op after a clean
+        exit)."""
+        launcher = [self.process.pid] if self.process.poll() is None else []  # not a reused pid
+        for pid in [*launcher, *processes_with(self.marker)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(10)
+
+
+class FaultJob(LauncherProcess):
+    """A running ``distune-run``; ``argv`` are its flags, script and script arguments.
+
+    ``token`` becomes the launcher's ``DISTUNE_SERVICE_TOKEN`` (None: the launcher's
+    environment has none, unless ``env`` adds it); ``env`` is added to the environment last.
+    ``rendezvous`` is torchrun's default (static, on a free ``--master_port``) or
+    :data:`RESTARTABLE` (for jobs whose workers restart).
+    """
+
+    def __init__(
+        self,
+        argv: list[str],
+        token: str | None,
+        env: dict[str, str] | None = None,
+        nproc: int = 2,
+        rendezvous: str = "static",
+    ) -> None:
+        self.token = token
+        environment = {} if token is None else {"DISTUNE_SERVICE_TOKEN": token}
+        if rendezvous == RESTARTABLE:
+            where, extra = isolated_rendezvous()
+            environment.update(extra)
+        else:
+            where = ["--master_port", str(free_port())]
+        environment.update(env or {})
+        super().__init__(["--nproc_per_node", str(nproc), *where, *argv], environment)
+        self._session = requests.Session()
+        if token is not None:
+            self._session.headers["Authorization"] = f"Bearer {token}"
 
     def service(self, timeout: float = 120.0) -> tuple[str, int] | None:
         """The service's URL and pid, from the launcher's line announcing it."""
@@ -234,31 +266,10 @@ class FaultJob:
 
     def wait(self, timeout: float) -> int | None:
         """The exit code, or None if the job is still running after ``timeout`` (a hang)."""
-        try:
-            code = self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
-        self._reader.join(10)
-        self._session.close()
+        code = super().wait(timeout)
+        if code is not None:
+            self._session.close()
         return code
-
-    def leftovers(self, grace: float = 10.0) -> list[int]:
-        """Processes of this job still alive after ``grace`` seconds."""
-        deadline = time.monotonic() + grace
-        while (alive := processes_with(self.marker)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return alive
-
-    def kill_all(self) -> None:
-        """SIGKILL the launcher and everything it started (after a hang; a no-op after a clean
-        exit)."""
-        launcher = [self.process.pid] if self.process.poll() is None else []  # not a reused pid
-        for pid in [*launcher, *processes_with(self.marker)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(10)
-        self._session.close()
 
 
 def worker_pid(out: Path, rank: int, attempt: int, timeout: float) -> int | None:
