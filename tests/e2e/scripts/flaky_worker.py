@@ -1,8 +1,8 @@
 """A worker that trains a tiny model and fails on purpose, for the launcher's failure paths.
 
-``--fail-on-attempt N`` makes rank 1 raise after a few steps while
-``TORCHELASTIC_RESTART_COUNT`` is below N (so ``--max_restarts`` can recover); without it every
-attempt succeeds. ``--seconds`` is the training time of a successful attempt.
+``--fail-attempts N`` makes rank 1 fail after a few steps, with exit code ``FAILURE_EXIT_CODE``,
+while ``TORCHELASTIC_RESTART_COUNT`` is below N (so ``--max_restarts`` can recover); without it
+every attempt succeeds. ``--seconds`` is the training time of a successful attempt.
 """
 
 import argparse
@@ -17,6 +17,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "ex
 
 import distune
 from job import Budget, join, leave
+
+#: The failing rank's exit code: distinct from Python's 1 so a test sees it passed through.
+FAILURE_EXIT_CODE = 3
 
 
 def main() -> None:
@@ -34,7 +37,12 @@ def main() -> None:
     step = 0
     while not budget.exhausted(step):
         if attempt < args.fail_attempts and dist.get_rank() == 1 and step == 20:
-            raise RuntimeError(f"injected failure on attempt {attempt}")
+            # Not by raising: on torch 2.13 a process that finalizes the interpreter with
+            # gloo threads alive may abort (exit 134) instead of exiting 1, as examples/job.py's
+            # leave() explains, and the test checks the launcher passes the worker's code on.
+            print(f"injected failure on attempt {attempt}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(FAILURE_EXIT_CODE)
         loss = ddp(torch.randn(16, 64)).square().mean()
         optimizer.zero_grad()
         loss.backward()
