@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         for rate in args.rates:
             measure_rate(rate, args)
+        if args.oracle_parts == 0:
+            print(f"no oracle sessions, so no tables: the tuned runs are under {args.output}")
+            return 0
     rows = report(args)
     first = rows[0].oracle.notes
     print(

@@ -71,6 +71,8 @@ class OracleSession:
 
 def oracle_rates(paths: Sequence[Path]) -> OracleSession:
     """Merge oracle sessions (the same variants) into one throughput per variant."""
+    if not paths:
+        raise ValueError("no oracle session to read: the tables need one (--oracle-parts)")
     parts = [json.loads(path.read_text()) for path in paths]
     first = parts[0]
     steps: dict[str, int] = {}

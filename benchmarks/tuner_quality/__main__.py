@@ -21,7 +21,13 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.tuner_quality.compare import compare, per_landscape_table, plot, summary_table
+from benchmarks.tuner_quality.compare import (
+    compare,
+    gain_claim_table,
+    per_landscape_table,
+    plot,
+    summary_table,
+)
 from benchmarks.tuner_quality.landscapes import standard_suite
 from benchmarks.tuner_quality.measurement import NoiseModel
 from benchmarks.tuner_quality.tuners import (
@@ -109,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         f"python {platform.python_version()}; {elapsed:.0f} s with {args.jobs} job(s)\n"
     )
     print(summary_table(runs, checkpoints))
+    claims = gain_claim_table(runs, checkpoints)
+    if claims:
+        print("\nThe reported gain over the default group against the true one:\n")
+        print(claims)
     print()
     print(per_landscape_table(runs, checkpoints))
     if args.plot:

@@ -20,7 +20,8 @@ from threadpoolctl import threadpool_limits
 
 from benchmarks.tuner_quality.landscapes import Landscape
 from benchmarks.tuner_quality.measurement import NoiseModel
-from benchmarks.tuner_quality.tuners import Tuner
+from benchmarks.tuner_quality.tuners import Trajectory, Tuner
+from distune.space import SearchSpace
 
 #: "Within 2% of the best": the kept group's true throughput is at least this fraction.
 GOOD_ENOUGH = 0.98
@@ -29,7 +30,10 @@ GOOD_ENOUGH = 0.98
 @dataclass(frozen=True)
 class Run:
     """One tuner on one landscape with one seed: for each budget, the true fraction of the
-    oracle of the group it keeps, and how many samples it measured."""
+    oracle of the group it keeps, how many samples it measured and, for a tuner that reports
+    its gain over the default group, how far that claim is off: the claimed speedup over the
+    true one, minus 1 (+0.10: it claims 10% more than it gained; None: no claim, or it kept
+    the default group, whose gain is 0 by definition)."""
 
     tuner: str
     landscape: str
@@ -37,26 +41,50 @@ class Run:
     budgets: tuple[int, ...]
     fractions: tuple[float, ...]
     samples_used: tuple[int, ...]
+    gain_errors: tuple[float | None, ...]
 
     def fraction_at(self, budget: int) -> float:
         """The kept group's fraction of the oracle with ``budget`` samples."""
         return self.fractions[self.budgets.index(budget)]
 
+    def gain_error_at(self, budget: int) -> float | None:
+        """How far the claimed gain is off with ``budget`` samples (see the class)."""
+        return self.gain_errors[self.budgets.index(budget)]
+
+
+def _gain_error(landscape: Landscape, trajectory: Trajectory) -> float | None:
+    chosen = trajectory.choices[-1]
+    default = SearchSpace.for_model(landscape.facts).default
+    if trajectory.claimed_gain is None or chosen == default:
+        return None
+    true_speedup = landscape.throughput[chosen] / landscape.throughput[default]
+    return (1.0 + trajectory.claimed_gain) / true_speedup - 1.0
+
 
 def _run(task: tuple[Tuner, Landscape, tuple[int, ...], NoiseModel, int]) -> Run:
     tuner, landscape, budgets, noise, seed = task
-    fractions, used = [], []
+    fractions, used, gain_errors = [], [], []
     if tuner.budget_aware:
         for budget in budgets:
             trajectory = tuner.run(landscape, budget, noise, seed)
             fractions.append(landscape.fraction(trajectory.choices[-1]))
             used.append(trajectory.samples_used)
+            gain_errors.append(_gain_error(landscape, trajectory))
     else:  # one run with the largest budget; its choice after k samples is the k-budget one
         trajectory = tuner.run(landscape, max(budgets), noise, seed)
         for budget in budgets:
             fractions.append(landscape.fraction(trajectory.choices[budget - 1]))
             used.append(min(budget, trajectory.samples_used))
-    return Run(tuner.name, landscape.name, seed, budgets, tuple(fractions), tuple(used))
+            gain_errors.append(None)  # no tuner of this kind reports a gain
+    return Run(
+        tuner.name,
+        landscape.name,
+        seed,
+        budgets,
+        tuple(fractions),
+        tuple(used),
+        tuple(gain_errors),
+    )
 
 
 def compare(
@@ -132,6 +160,27 @@ def summary_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
         )
         used = [run.samples_used[-1] for run in runs if run.tuner == tuner]
         cells.append(f"{statistics.median(used):g}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def gain_claim_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
+    """A markdown table: per tuner that reports its gain over the default group, how far the
+    claim is off after each checkpoint (median / largest overstatement, in percent of the true
+    speedup), over the runs that kept a group other than the default; empty if none reports."""
+    tuners = list(dict.fromkeys(r.tuner for r in runs if any(e is not None for e in r.gain_errors)))
+    if not tuners:
+        return ""
+    header = ["tuner", *(f"after {k}: median / largest (runs)" for k in checkpoints)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for tuner in tuners:
+        cells = [tuner]
+        for k in checkpoints:
+            errors = [r.gain_error_at(k) for r in runs if r.tuner == tuner]
+            errors = [e for e in errors if e is not None]
+            cells.append(
+                f"{_median(errors):+.1%} / {max(errors):+.1%} ({len(errors)})" if errors else "-"
+            )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -59,10 +59,12 @@ BAGUA_INITIAL_POINTS = 20
 class Trajectory:
     """``choices[k]``: the group the tuner would keep after ``k + 1`` samples (``budget`` of
     them; a tuner that stops early repeats its final choice). ``samples_used``: how many it
-    actually measured."""
+    actually measured. ``claimed_gain``: the gain over the default group the tuner reports for
+    its final choice (distune's ``gain_vs_default``); None for a tuner that reports none."""
 
     choices: tuple[Hyperparameters, ...]
     samples_used: int
+    claimed_gain: float | None = None
 
 
 class Tuner(Protocol):
@@ -99,8 +101,9 @@ class DistuneTuner:
                 if record.phase is not Phase.COMPLETED:
                     choices.append(session.view.best.group.hyperparameters)
         used = len(choices)
-        choices += [session.view.best.group.hyperparameters] * (budget - used)
-        return Trajectory(tuple(choices), used)
+        best = session.view.best
+        choices += [best.group.hyperparameters] * (budget - used)
+        return Trajectory(tuple(choices), used, best.gain_vs_default)
 
 
 class _PooledScores:

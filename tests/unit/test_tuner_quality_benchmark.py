@@ -6,12 +6,23 @@ import json
 from pathlib import Path
 
 import pytest
-from benchmarks.tuner_quality.compare import budget_to_good, compare, summary_table
+from benchmarks.tuner_quality.compare import (
+    budget_to_good,
+    compare,
+    gain_claim_table,
+    summary_table,
+)
 from benchmarks.tuner_quality.landscapes import Landscape, hump_landscape, oracle_tables
 from benchmarks.tuner_quality.measurement import NoiseModel
-from benchmarks.tuner_quality.tuners import GridSearch, HorovodStyle, RandomSearch, grid
+from benchmarks.tuner_quality.tuners import (
+    DistuneTuner,
+    GridSearch,
+    HorovodStyle,
+    RandomSearch,
+    grid,
+)
 
-from distune.space import ModelFacts
+from distune.space import ModelFacts, SearchSpace
 
 FACTS = ModelFacts(world_size=4, nnodes=2, local_world_size=2, gradient_bytes=13_228_032)
 
@@ -68,3 +79,19 @@ def test_every_tuner_keeps_a_group_of_the_space_at_every_budget() -> None:
 def test_budget_to_good_is_the_budget_from_which_the_curve_stays_within_2_percent() -> None:
     assert budget_to_good({5: 0.99, 10: 0.97, 20: 0.985, 40: 0.99}) == 20
     assert budget_to_good({5: 0.5, 10: 0.97}) == float("inf")
+
+
+def test_the_claimed_gain_is_set_against_the_true_one() -> None:
+    """Without noise distune's claim is exact, so the error is 0 wherever it kept a group
+    other than the default; tuners that claim no gain have no error and no table row."""
+    landscape = _landscape()
+    quiet = NoiseModel(period_sigma=0.0, window_sigma=0.0, stall_rate=0.0, lucky_rate=0.0)
+    runs = compare([DistuneTuner(), RandomSearch()], [landscape], 1, [10, 20], quiet)
+    distune, random = runs
+    default = SearchSpace.for_model(landscape.facts).default
+    assert landscape.fraction(default) < 0.9  # so distune keeps another group
+    assert distune.gain_error_at(20) == pytest.approx(0.0, abs=1e-9)
+    assert random.gain_errors == (None, None)
+    table = gain_claim_table(runs, [10, 20])
+    assert "| distune | +0.0% / +0.0% (1) | +0.0% / +0.0% (1) |" in table
+    assert "random" not in table

@@ -28,7 +28,10 @@ How the next group is chosen (:meth:`TuningSession._next_sample`), in order:
    converged, or when the budget left is only enough for the contenders (and the last
    sample never explores: what it found could not be confirmed). A confirmation that knocks
    the leader down makes the next best a contender, confirmed in turn while budget remains;
-   when it runs out, a group measured once never wins over a confirmed one;
+   when it runs out, a group measured once never wins over a confirmed one. Before completing
+   on a group other than the default, the default is measured a second time if budget remains,
+   so the gain over it compares two pooled scores (and a default that was only unlucky the
+   first time can still win);
 3. otherwise the optimizer proposes an unmeasured group ("initial" while the space-filling
    design runs, "bayes" after). When every group has been measured, or (after
    ``stop_min_groups`` groups, and ``stop_min_share`` of ``max_samples`` in groups) no
@@ -490,7 +493,7 @@ class TuningSession:
         if to_confirm and remaining > 0 and (self._converged or not may_explore):
             return to_confirm[0], Phase.CONFIRM
         if self._converged or not may_explore:
-            return None
+            return self._default_to_confirm(remaining)
         try:
             suggestion = self._optimizer.suggest()
         except Exception:
@@ -508,6 +511,25 @@ class TuningSession:
                 return suggestion.hyperparameters, Phase.BAYES
         self._converged = True  # every group measured, or nothing left worth measuring
         return self._next_sample()
+
+    def _default_to_confirm(self, remaining: int) -> tuple[Hyperparameters, Phase] | None:
+        """The default group again, if another group is about to be chosen over it on one
+        sample of the default and budget remains; None: complete.
+
+        The default's only sample is the job's first after warmup, often its slowest (caches,
+        allocator, the other ranks still settling), and the chosen group's pooled score is the
+        best of many: set against that one sample, the gain reported to the user was several
+        times the true one (docs/tuning_service.md has the figures)."""
+        default = self.space.default
+        assert self._best is not None
+        if (
+            self.config.confirm_top
+            and remaining > 0
+            and self._best.group.hyperparameters != default
+            and self._measurements[default].samples < 2
+        ):
+            return default, Phase.CONFIRM
+        return None
 
     @property
     def _stop_min_groups(self) -> int:

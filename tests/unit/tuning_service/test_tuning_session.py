@@ -324,3 +324,71 @@ def test_the_search_stops_early_only_after_a_share_of_the_budget(share, groups):
     ]
     assert len({r.group.hyperparameters for r in samples}) == groups
     assert len(samples) < 20
+
+
+def _samples_of(s: TuningSession, hp: Hyperparameters) -> list:
+    return [
+        r
+        for r in s.view.records
+        if r.phase is not Phase.COMPLETED and r.group.hyperparameters == hp
+    ]
+
+
+def far_peak(hp: Hyperparameters) -> float:
+    """Throughput peaking at bucket 2^20, far from the default's 2^25; hierarchical slower."""
+    return peaked(Hyperparameters(hp.bucket_size_2p + 4, hp.is_hierarchical_reduce))
+
+
+def test_the_default_is_measured_again_before_another_group_is_chosen():
+    """The default's first sample is the job's first after warmup, here 30% slow (start-up).
+    Before the session completes on the peak it measures the default again, so the gain it
+    reports sets two pooled scores side by side instead of the peak against that one sample."""
+    default = Hyperparameters(25, False)
+    s = session(TuningConfig(max_samples=20, sampling_confidence_time=3.0, warmup_time=0, seed=2))
+    while s.view.state is not State.COMPLETED:
+        hp = s.view.current.hyperparameters
+        window(s, 0.7 * far_peak(hp) if s.view.samples == 0 else far_peak(hp))
+    first, again = _samples_of(s, default)
+    assert first.phase is Phase.DEFAULT and first.score == pytest.approx(0.7 * far_peak(default))
+    assert again.phase is Phase.CONFIRM and again.score == pytest.approx(far_peak(default))
+    assert again.sample == s.view.records[-2].sample  # the last sample before completing
+    chosen = s.view.best.group.hyperparameters
+    assert far_peak(chosen) >= 0.98 * far_peak(Hyperparameters(20, False))
+    # Pooled, the default's trimmed mean lies between its slow and its true windows.
+    assert 0.75 * far_peak(default) < s.view.default_score < 0.95 * far_peak(default)
+    gain = s.view.best.gain_vs_default
+    assert gain == pytest.approx(s.view.best.score / s.view.default_score - 1)
+    assert gain < s.view.best.score / first.score - 1  # what it would have claimed
+    assert s.view.records[-1].gain_vs_default == gain
+
+
+def test_a_default_unlucky_the_first_time_wins_on_its_second_look():
+    """The default is truly the fastest (100/s, every other group 90/s) but its first sample
+    reads 85/s: the search moves on and confirms another group, then the default's second
+    sample lifts its pooled score to 92.5/s and the session keeps the default after all."""
+    default = Hyperparameters(25, False)
+    s = session(TuningConfig(max_samples=20, sampling_confidence_time=3.0, warmup_time=0, seed=2))
+    while s.view.state is not State.COMPLETED:
+        hp = s.view.current.hyperparameters
+        window(s, (85.0 if s.view.samples == 0 else 100.0) if hp == default else 90.0)
+    assert [r.phase for r in _samples_of(s, default)] == [Phase.DEFAULT, Phase.CONFIRM]
+    assert s.view.best.group.hyperparameters == default == s.view.current.hyperparameters
+    assert s.view.best.score == pytest.approx(92.5)
+    assert s.view.best.gain_vs_default == 0.0
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        TuningConfig(
+            max_samples=20, sampling_confidence_time=3.0, warmup_time=0, seed=2, confirm_top=0
+        ),
+        TuningConfig(max_samples=5, sampling_confidence_time=3.0, warmup_time=0, seed=2),
+    ],
+    ids=["without confirmation", "budget spent"],
+)
+def test_the_default_is_not_measured_again_without_confirmation_or_budget(config):
+    s = session(config)
+    run_to_completion(s, landscape=far_peak)
+    assert s.view.best.group.hyperparameters != Hyperparameters(25, False)
+    assert len(_samples_of(s, Hyperparameters(25, False))) == 1
