@@ -1,7 +1,8 @@
 """Tuner quality on synthetic and measured landscapes; no torch, no processes.
 
     .venv/bin/python -m benchmarks.tuner_quality --jobs 2 --plot docs/images/bench_tuner_quality.png
-    .venv/bin/python -m benchmarks.tuner_quality --only distune --sweep   # variants of the settings
+    .venv/bin/python -m benchmarks.tuner_quality --sweep   # and variants of the settings
+    .venv/bin/python -m benchmarks.tuner_quality --sweep --only distune,small_budget=0  # one
     .venv/bin/python -m benchmarks.tuner_quality --seeds 20 --jobs 2 --json out.json
 
 Every tuner runs at every budget of ``--budgets`` (the table shows ``--checkpoints``); the
@@ -62,6 +63,8 @@ def sweep() -> list[Tuner]:
         _variant("no confirmation", confirm_top=0),
         _variant("confirm_top=3", confirm_top=3),
         _variant("confirm_margin=0.05", confirm_margin=0.05),
+        _variant("small_budget=0", {"small_budget": 0}),  # the whole range at every budget
+        _variant("small_budget=10000", {"small_budget": 10_000}),  # the middle at every budget
     ]
 
 
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="also run variants of the settings")
     parser.add_argument(
         "--only",
-        help="comma-separated names of the comparison tuners to run (--sweep adds its own)",
+        help="comma-separated names of the tuners to run (with --sweep, of its variants too)",
     )
     parser.add_argument("--landscapes", help="only landscapes whose name contains this")
     parser.add_argument("--json", metavar="PATH", help="write every run's figures as JSON")
@@ -93,11 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         BaguaStyle(),
         HorovodStyle(),
     ]
+    if args.sweep:
+        tuners += sweep()
     if args.only:
         wanted = set(args.only.split(","))
         tuners = [t for t in tuners if t.name in wanted]
-    if args.sweep:
-        tuners += sweep()
     landscapes = standard_suite()
     if args.landscapes:
         landscapes = [ls for ls in landscapes if args.landscapes in ls.name]

@@ -55,6 +55,10 @@ class OptimizerSettings:
     least ``stop_min_share`` of the model's ``max_samples`` in groups, have been measured and
     the largest expected improvement of any unmeasured group is below ``stop_improvement`` (a
     fraction of the best throughput; 0 disables early stopping).
+
+    With a small budget (``max_samples`` at most ``small_budget``) the greedy maximin design
+    keeps to the middle ``small_budget_share`` of the bucket-size range: there are not samples
+    enough to visit the ends of the range and still come back to where good groups usually are.
     """
 
     acquisition: str = "EI"
@@ -66,6 +70,8 @@ class OptimizerSettings:
     stop_improvement: float = 0.002
     stop_min_groups: int = 8
     stop_min_share: float = 0.5
+    small_budget: int = 10
+    small_budget_share: float = 0.6
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -81,6 +87,8 @@ class OptimizerSettings:
         _check_number("stop_improvement", self.stop_improvement, 0.0, 1.0, low_open=False)
         _check_int("stop_min_groups", self.stop_min_groups, 1, 10_000)
         _check_number("stop_min_share", self.stop_min_share, 0.0, 1.0, low_open=False)
+        _check_int("small_budget", self.small_budget, 0, 10_000)
+        _check_number("small_budget_share", self.small_budget_share, 0.0, 1.0, low_open=True)
 
 
 @dataclass(frozen=True)

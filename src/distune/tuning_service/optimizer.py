@@ -49,9 +49,16 @@ class Suggestion:
 
 class GroupOptimizer:
     """Proposes groups of ``space`` from the scores it is told; one per model, not thread-safe
-    (the session's lock guards it)."""
+    (the session's lock guards it). ``budget`` is the model's ``max_samples``: a small one
+    narrows the greedy maximin design (see :class:`OptimizerSettings`)."""
 
-    def __init__(self, space: SearchSpace, settings: OptimizerSettings, seed: int | None) -> None:
+    def __init__(
+        self,
+        space: SearchSpace,
+        settings: OptimizerSettings,
+        seed: int | None,
+        budget: int | None = None,
+    ) -> None:
         if not space.tuned:
             raise ValueError("the search space tunes no knob: there is nothing to optimize")
         self._space = space
@@ -66,6 +73,8 @@ class GroupOptimizer:
         self._scores: dict[Hyperparameters, float] = {}
         self._model: GaussianProcessRegressor | None = None
         self._design = self._initial_design()
+        small = budget is not None and budget <= settings.small_budget
+        self._maximin_sizes = _middle(space, settings.small_budget_share if small else 1.0)
 
     @property
     def scores(self) -> dict[Hyperparameters, float]:
@@ -166,6 +175,9 @@ class GroupOptimizer:
                 return hp
         # Greedy maximin: the unmeasured group farthest from every measured one. Sampled designs
         # fall back to it once their points are used up or repeat measured groups.
+        low, high = self._maximin_sizes
+        inside = [i for i in unmeasured if low <= self._groups[i].bucket_size_2p <= high]
+        unmeasured = inside or unmeasured
         measured = self._transformed[[i for i, hp in enumerate(self._groups) if hp in self._scores]]
         candidates = self._transformed[unmeasured]
         distances = np.linalg.norm(candidates[:, None, :] - measured[None, :, :], axis=2).min(
@@ -173,6 +185,13 @@ class GroupOptimizer:
         )
         farthest = np.flatnonzero(distances >= distances.max() - 1e-12)
         return self._groups[unmeasured[int(self._rng.choice(farthest))]]
+
+
+def _middle(space: SearchSpace, share: float) -> tuple[float, float]:
+    """The middle ``share`` of the space's bucket sizes (log2), as bounds."""
+    low, high = space.min_bucket_size_2p, space.max_bucket_size_2p
+    margin = (1.0 - share) / 2.0 * (high - low)
+    return low + margin, high - margin
 
 
 def _dimension(space: SearchSpace, name: str) -> Integer | Categorical:

@@ -255,7 +255,9 @@ class TuningSession:
         self.config = config
         self.space = SearchSpace.for_model(facts, fixed, config.default_bucket_size)
         self._optimizer = (
-            GroupOptimizer(self.space, config.optimizer, _model_seed(config.seed, name))
+            GroupOptimizer(
+                self.space, config.optimizer, _model_seed(config.seed, name), config.max_samples
+            )
             if self.space.tuned
             else None
         )

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from distune.space import FixedKnobs, Hyperparameters, ModelFacts, SearchSpace
-from distune.tuning_service.config import OptimizerSettings
+from distune.tuning_service.config import ConfigError, OptimizerSettings
 from distune.tuning_service.optimizer import GroupOptimizer
 
 FACTS = ModelFacts(world_size=8, nnodes=2, local_world_size=4, gradient_bytes=2**24)
@@ -89,3 +89,40 @@ def test_scores_must_be_positive_and_finite(score):
 def test_asking_before_telling_is_an_error():
     with pytest.raises(RuntimeError, match="tell the optimizer"):
         GroupOptimizer(SPACE, OptimizerSettings(), seed=0).suggest()
+
+
+def _initial_design(budget: int | None, seed: int) -> list[Hyperparameters]:
+    optimizer = GroupOptimizer(SPACE, OptimizerSettings(), seed=seed, budget=budget)
+    optimizer.tell(SPACE.default, throughput(SPACE.default))
+    design = []
+    while (suggestion := optimizer.suggest()).expected_improvement is None:
+        design.append(suggestion.hyperparameters)
+        optimizer.tell(suggestion.hyperparameters, throughput(suggestion.hyperparameters))
+    return design
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_small_budget_keeps_the_initial_design_to_the_middle_of_the_range(seed):
+    """Buckets 2^16..2^24: the middle 60% is 2^18..2^22. With 10 samples or fewer the design
+    stays there, both shapes included; with more it spreads to the ends of the range."""
+    small = _initial_design(budget=10, seed=seed)
+    assert len(small) == 3
+    assert all(18 <= hp.bucket_size_2p <= 22 for hp in small)
+    assert {hp.is_hierarchical_reduce for hp in small} == {False, True}
+    large = _initial_design(budget=11, seed=seed)
+    assert min(hp.bucket_size_2p for hp in large) == 16  # the far end from the default's 2^24
+    assert _initial_design(budget=None, seed=seed) == large
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"acquisition": "UCB"}, "acquisition must be one of EI, PI, LCB; got 'UCB'"),
+        ({"small_budget": -1}, "small_budget"),
+        ({"small_budget_share": 0.0}, r"small_budget_share must be in \(0, 1\], got 0.0"),
+        ({"small_budget_share": 1.5}, "small_budget_share"),
+    ],
+)
+def test_bad_settings_are_refused_by_name(change, message):
+    with pytest.raises(ConfigError, match=message):
+        OptimizerSettings(**change)
