@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 run: install
 	$(VENV)/bin/distune-run --nproc_per_node 2 --autotune_level 1 \
 		--autotune_warmup_time 2 --autotune_sampling_confidence_time 2 --is_output_autotune_log \
-		examples/train_mlp.py --seconds 60
+		examples/train_mlp.py --seconds 90
 
 # The dashboard's browser test drives Debian's chromium through chromedriver. Installed here when
 # this runs as root with apt-get; elsewhere that test skips and says why.
