@@ -518,10 +518,10 @@ class TuningSession:
         """The default group again, if another group is about to be chosen over it on one
         sample of the default and budget remains; None: complete.
 
-        The default's only sample is the job's first after warmup, often its slowest (caches,
-        allocator, the other ranks still settling), and the chosen group's pooled score is the
-        best of many: set against that one sample, the gain reported to the user was several
-        times the true one (docs/tuning_service.md has the figures)."""
+        The default's only sample is the job's first after warmup, which can be slow for
+        reasons of its own (caches, the allocator, ranks still settling), and the chosen group's
+        pooled score is the best of many: set against that one sample, the gain reported to the
+        user overstates the true one (docs/tuning_service.md has the figures)."""
         default = self.space.default
         assert self._best is not None
         if (
