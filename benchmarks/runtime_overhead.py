@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -43,6 +42,7 @@ from torch import nn
 import distune
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: find benchmarks/
+from benchmarks.local_host import free_port
 from benchmarks.testbed.rate import LinkRate
 
 VARIANTS = ("compute", "torch", "distune")
@@ -60,12 +60,6 @@ def mlp(io: int, width: int, layers: int) -> nn.Module:
     for fan_in, fan_out in itertools.pairwise(sizes):
         modules += [nn.Linear(fan_in, fan_out), nn.ReLU()]
     return nn.Sequential(*modules[:-1])
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _rank_main(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
@@ -220,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         context = mp.get_context("spawn")
         queue = context.SimpleQueue()
-        mp.spawn(_rank_main, args=(args, _free_port(), queue), nprocs=args.nproc)
+        mp.spawn(_rank_main, args=(args, free_port(), queue), nprocs=args.nproc)
         raw = queue.get()
     summary = summarize(raw, args)
     text = json.dumps(summary, indent=2)

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import requests
+
+from benchmarks.local_host import free_port, is_running
+from distune.launcher.plan import UNSHARED_STORE
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "deterministic_worker.py"
@@ -54,25 +56,6 @@ class WorkerSpec:
         ]  # fmt: skip
 
 
-def free_port() -> int:
-    """A TCP port nothing listens on now (for torch's rendezvous store)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def port_is_free(port: int) -> bool:
-    """Whether nothing listens on ``port`` on loopback (closed connections in TIME_WAIT, which
-    a killed server leaves, do not count)."""
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def processes_with(marker: str) -> list[int]:
     """Live (not zombie) processes whose environment carries ``marker``."""
     needle = f"{MARKER}={marker}".encode()
@@ -82,10 +65,9 @@ def processes_with(marker: str) -> list[int]:
             continue
         try:
             environ = (entry / "environ").read_bytes()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if needle in environ.split(b"\0") and state != "Z":
+        if needle in environ.split(b"\0") and is_running(int(entry.name)):
             found.append(int(entry.name))
     return found
 
@@ -100,16 +82,7 @@ RESTARTABLE = "isolated"
 def isolated_rendezvous() -> tuple[list[str], dict[str, str]]:
     """The launcher flags and environment of the :data:`RESTARTABLE` rendezvous."""
     flags = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}"]
-    return flags, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-
-
-def is_running(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie, or no process at all, is not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
+    return flags, {UNSHARED_STORE: "1"}
 
 
 class LauncherProcess:

@@ -28,12 +28,10 @@ from benchmarks.faults.job import (
     RESTARTABLE,
     FaultJob,
     WorkerSpec,
-    free_port,
-    is_running,
-    port_is_free,
     worker_pid,
     worker_results,
 )
+from benchmarks.local_host import free_port, is_running, port_is_free
 
 #: A job still running this long after its fault is a hang.
 HANG_SECONDS = 240.0

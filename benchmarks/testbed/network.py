@@ -41,6 +41,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
+from benchmarks.local_host import is_running
 from benchmarks.testbed.errors import TestbedError, TestbedInterrupted
 from benchmarks.testbed.iproute import IpRoute
 from benchmarks.testbed.prerequisites import require_prerequisites
@@ -391,21 +392,13 @@ def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
     raise TestbedInterrupted(signum)
 
 
-def _owner_alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
 def stale_testbeds(iproute: IpRoute) -> dict[str, list[str]]:
     """Testbeds whose owner process is gone: instance name -> its namespaces (or their folders)."""
     stale: dict[str, list[str]] = {}
     etc = [path.name for path in ETC_NETNS.glob(f"{PREFIX}-*")]
     for namespace in sorted({*iproute.namespaces(), *etc}):
         match = _NAMESPACE.match(namespace)
-        if match and not _owner_alive(int(match["owner"])):
+        if match and not is_running(int(match["owner"])):
             stale.setdefault(match["instance"], []).append(namespace)
     return stale
 

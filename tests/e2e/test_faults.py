@@ -13,8 +13,9 @@ import signal
 from urllib.parse import urlsplit
 
 import pytest
-from benchmarks.faults.job import FAST_TUNING, FaultJob, WorkerSpec, port_is_free, worker_results
+from benchmarks.faults.job import FAST_TUNING, FaultJob, WorkerSpec, worker_results
 from benchmarks.faults.scenarios import service_kill, stuck_rendezvous_signal, worker_kill
+from benchmarks.local_host import port_is_free
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,8 @@ from urllib.parse import urlsplit
 
 import pytest
 import requests
-from benchmarks.faults.job import port_is_free, processes_with
+from benchmarks.faults.job import processes_with
+from benchmarks.local_host import port_is_free
 
 from .conftest import FAST_TUNING, SCRIPTS, SMALL_MLP
 

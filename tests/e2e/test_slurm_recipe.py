@@ -22,7 +22,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from benchmarks.faults.job import MARKER, port_is_free, processes_with
+from benchmarks.faults.job import MARKER, processes_with
+from benchmarks.local_host import port_is_free
 
 from distune.space import Hyperparameters
 

@@ -6,7 +6,7 @@ import csv
 import socket
 
 import pytest
-from benchmarks.faults.job import port_is_free
+from benchmarks.local_host import port_is_free
 
 from .conftest import FAST_TUNING, SMALL_MLP
 
