@@ -14,12 +14,6 @@ EXAMPLES = REPO / "examples"
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 # A small MLP: 6 groups from 2^16 to 2^21 bytes, a few ms a step.
 SMALL_MLP = [str(EXAMPLES / "train_mlp.py"), "--width", "256", "--depth", "3", "--log-every", "0.5"]
-# Short tuning: windows of 0.25 s, so a job of ~15 s tunes several groups.
-FAST_TUNING = [
-    "--autotune_warmup_time", "1",
-    "--autotune_sampling_confidence_time", "1",
-    "--autotune_max_samples", "4",
-]  # fmt: skip
 
 
 class Launcher(LauncherProcess):

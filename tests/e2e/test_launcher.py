@@ -10,10 +10,10 @@ from urllib.parse import urlsplit
 
 import pytest
 import requests
-from benchmarks.faults.job import processes_with
+from benchmarks.faults.job import FAST_TUNING, isolated_rendezvous, processes_with
 from benchmarks.local_host import port_is_free
 
-from .conftest import FAST_TUNING, SCRIPTS, SMALL_MLP
+from .conftest import SCRIPTS, SMALL_MLP
 
 pytestmark = pytest.mark.slow
 
@@ -102,13 +102,14 @@ def test_service_outlives_a_worker_restart(launch):
     # torch 2.13 restarts gloo workers reliably only with c10d rendezvous and a store of the
     # workers' own: torchrun's static default keeps one store for every attempt and hands a
     # restarted worker its predecessor's address (pytorch/pytorch#135712). README: restarts.
+    rendezvous, env = isolated_rendezvous()
     run = launch(
         [
             "--nproc_per_node", "2", "--autotune_level", "1", "--max_restarts", "1",
-            "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:0",
+            *rendezvous,
             str(SCRIPTS / "flaky_worker.py"), "--fail-attempts", "1", "--seconds", "4",
         ],
-        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+        env=env,
     )  # fmt: skip
     assert run.wait(timeout=120) == 0, run.output
     assert "injected failure on attempt 0" in run.output

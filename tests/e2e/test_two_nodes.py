@@ -6,9 +6,10 @@ import csv
 import socket
 
 import pytest
+from benchmarks.faults.job import FAST_TUNING
 from benchmarks.local_host import port_is_free
 
-from .conftest import FAST_TUNING, SMALL_MLP
+from .conftest import SMALL_MLP
 
 pytestmark = pytest.mark.slow
 
