@@ -167,6 +167,25 @@ def _state(status: dict[str, Any] | None) -> str:
     return "not registered" if status is None else str(status["state"])
 
 
+def _started_service(job: FaultJob, result: RunResult) -> tuple[str, int] | None:
+    """The service's URL and pid; None when it never started (recorded, the job finished)."""
+    found = job.service()
+    if found is None:
+        result.problems.append("the service never started")
+        _finish(job, result, None)
+    return found
+
+
+def _before_fault(
+    job: FaultJob, url: str, shown: dict[str, Any] | None, result: RunResult
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The model's status and served log just before the fault; records the state seen
+    (``shown``: the status that showed the awaited moment, None if it never came)."""
+    before, served = job.status(url), job.log(url)
+    result.observed = _state(before) if shown is not None else f"missed ({_state(before)})"
+    return before, served
+
+
 def _wait_for_moment(
     job: FaultJob, url: str, moment: str, rng: random.Random
 ) -> dict[str, Any] | None:
@@ -199,15 +218,12 @@ def service_kill(
     result = RunResult("service-kill", moment)
     out, log = _fresh(workdir)
     job = _tuned_job(out, log, spec)
-    found = job.service()
+    found = _started_service(job, result)
     if found is None:
-        result.problems.append("the service never started")
-        _finish(job, result, None)
         return _with_output(result, job)
     url, pid = found
     shown = _wait_for_moment(job, url, moment, rng)
-    before, served = job.status(url), job.log(url)
-    result.observed = _state(before) if shown is not None else f"missed ({_state(before)})"
+    before, served = _before_fault(job, url, shown, result)
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -249,16 +265,13 @@ def worker_kill(
     result = RunResult("worker-kill" + ("-no-restart-left" if exhaust else ""), moment)
     out, log = _fresh(workdir)
     job = _tuned_job(out, log, spec, "--max_restarts", "1", rendezvous=rendezvous)
-    found = job.service()
+    found = _started_service(job, result)
     if found is None:
-        result.problems.append("the service never started")
-        _finish(job, result, None)
         return _with_output(result, job)
     url, service_pid = found
     shown = job.wait_for_status(url, lambda s: s["state"] == "sampling" and s["samples"] >= 1, 120)
     time.sleep(rng.uniform(0.0, 1.0))
-    before, served = job.status(url), job.log(url)
-    result.observed = _state(before) if shown is not None else f"missed ({_state(before)})"
+    before, served = _before_fault(job, url, shown, result)
     for attempt in (0, 1) if exhaust else (0,):
         pid = worker_pid(out, rng.randint(0, 1), attempt, timeout=120)
         if attempt == 1:
