@@ -26,6 +26,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -37,6 +38,7 @@ import distune
 from distune.space import Hyperparameters, ModelFacts, SearchSpace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from job import leave
 from train_gpt import GPT, MarkovText  # the example is a script, not a package
 
 COMPUTE, TORCH = "compute", "torch"
@@ -138,12 +140,7 @@ def main(argv: list[str] | None = None) -> None:
             "load_average_after": os.getloadavg(),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
             "torch": torch.__version__,
-            "facts": {
-                "world_size": facts.world_size,
-                "nnodes": facts.nnodes,
-                "local_world_size": facts.local_world_size,
-                "gradient_bytes": facts.gradient_bytes,
-            },
+            "facts": asdict(facts),
             "default_group": group_variant(space.default),
             "groups": groups,
             "model": vars(args) | {"output": str(args.output)},
@@ -151,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(result, indent=1) + "\n")
-    dist.destroy_process_group()
+    leave()  # not through interpreter finalization: see examples/job.py
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from threadpoolctl import threadpool_limits
 from benchmarks.tuner_quality.landscapes import Landscape
 from benchmarks.tuner_quality.measurement import NoiseModel
 from benchmarks.tuner_quality.tuners import Trajectory, Tuner
-from distune.space import SearchSpace
 
 #: "Within 2% of the best": the kept group's true throughput is at least this fraction.
 GOOD_ENOUGH = 0.98
@@ -54,7 +53,7 @@ class Run:
 
 def _gain_error(landscape: Landscape, trajectory: Trajectory) -> float | None:
     chosen = trajectory.choices[-1]
-    default = SearchSpace.for_model(landscape.facts).default
+    default = landscape.space.default
     if trajectory.claimed_gain is None or chosen == default:
         return None
     true_speedup = landscape.throughput[chosen] / landscape.throughput[default]

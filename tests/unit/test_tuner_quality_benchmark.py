@@ -22,7 +22,7 @@ from benchmarks.tuner_quality.tuners import (
     grid,
 )
 
-from distune.space import ModelFacts, SearchSpace
+from distune.space import ModelFacts
 
 FACTS = ModelFacts(world_size=4, nnodes=2, local_world_size=2, gradient_bytes=13_228_032)
 
@@ -88,7 +88,7 @@ def test_the_claimed_gain_is_set_against_the_true_one() -> None:
     quiet = NoiseModel(period_sigma=0.0, window_sigma=0.0, stall_rate=0.0, lucky_rate=0.0)
     runs = compare([DistuneTuner(), RandomSearch()], [landscape], 1, [10, 20], quiet)
     distune, random = runs
-    default = SearchSpace.for_model(landscape.facts).default
+    default = landscape.space.default
     assert landscape.fraction(default) < 0.9  # so distune keeps another group
     assert distune.gain_error_at(20) == pytest.approx(0.0, abs=1e-9)
     assert random.gain_errors == (None, None)
