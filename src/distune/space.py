@@ -14,6 +14,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from distune.errors import DistuneError
+
 #: torch DDP's default bucket cap (25 MiB), the default group's bucket size.
 DEFAULT_BUCKET_SIZE = 25 * 1024 * 1024
 #: The smallest bucket the search offers (64 KiB): below it, per-message latency dominates.
@@ -31,7 +33,7 @@ IS_HIERARCHICAL_REDUCE = "is_hierarchical_reduce"
 KNOB_NAMES = (BUCKET_SIZE_2P, IS_HIERARCHICAL_REDUCE)
 
 
-class HyperparameterError(ValueError):
+class HyperparameterError(DistuneError, ValueError):
     """A hyperparameter value, name or search-space fact is invalid; the message says why."""
 
 

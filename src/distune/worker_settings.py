@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from distune.errors import DistuneError
 from distune.space import DEFAULT_BUCKET_SIZE
 
 AUTOTUNE_LEVEL = "DISTUNE_AUTOTUNE_LEVEL"
@@ -34,7 +35,7 @@ VARIABLES = {
 }
 
 
-class SettingsError(ValueError):
+class SettingsError(DistuneError, ValueError):
     """A ``DISTUNE_*`` variable holds a value it may not; the message names it."""
 
 

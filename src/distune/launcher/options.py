@@ -26,11 +26,12 @@ from torch.distributed.run import (
     parse_min_max_nnodes,
 )
 
-from distune.launcher.config_file import ConfigError, load_config
+from distune.errors import ConfigError
+from distune.launcher.config_file import load_config
 from distune.tuning_service.config import TuningConfig
 
 
-class OptionError(ValueError):
+class OptionError(ConfigError):
     """An autotune flag or config key holds a value it may not; the message names it."""
 
 

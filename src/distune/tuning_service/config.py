@@ -12,11 +12,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+from distune.errors import ConfigError
 from distune.space import DEFAULT_BUCKET_SIZE, FixedKnobs
-
-
-class ConfigError(ValueError):
-    """A tuning setting holds a value it may not; the message names it and what is allowed."""
 
 
 def _check_int(name: str, value: Any, low: int, high: int) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from distune.errors import DistuneError
 from distune.space import (
     MODEL_NAME_RULE,
     FixedKnobs,
@@ -30,7 +31,7 @@ SECONDS_RANGE = (1e-6, 1e6)
 MAX_RATE = 1e9
 
 
-class RequestError(ValueError):
+class RequestError(DistuneError, ValueError):
     """A request is malformed; ``field`` names the culprit (``body`` for the whole of it)."""
 
     def __init__(self, field: str, message: str) -> None:

@@ -26,10 +26,11 @@ from types import FrameType
 
 from waitress.server import create_server
 
+from distune.errors import ConfigError
 from distune.space import FixedKnobs, HyperparameterError
 from distune.tuning_service.app import MAX_BODY_BYTES, create_app
 from distune.tuning_service.best_file import BestFileError, check_path
-from distune.tuning_service.config import ConfigError, TuningConfig
+from distune.tuning_service.config import TuningConfig
 from distune.tuning_service.service import TuningService
 from distune.tuning_service.tuning_log import LogFileError, TuningLog
 from distune.worker_settings import SERVICE_TOKEN
