@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import overload
 
 from distune.checks import InvalidValue, positive_seconds
 from distune.errors import DistuneError
@@ -105,6 +106,10 @@ class WorkerSettings:
         )
 
 
+@overload
+def _parse_int(environ: Mapping[str, str], name: str, default: int) -> int: ...
+@overload
+def _parse_int(environ: Mapping[str, str], name: str, default: None) -> int | None: ...
 def _parse_int(environ: Mapping[str, str], name: str, default: int | None) -> int | None:
     text = environ.get(name, "").strip()
     if not text:

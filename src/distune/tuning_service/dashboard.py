@@ -39,7 +39,7 @@ blueprint = Blueprint("dashboard", __name__)
 @cache
 def _file(name: str) -> bytes:
     # Read once per process: the files are part of the installed package.
-    return resources.files("distune.tuning_service").joinpath("static", name).read_bytes()
+    return resources.files("distune.tuning_service").joinpath("static").joinpath(name).read_bytes()
 
 
 def _serve(name: str, mimetype: str) -> Response:
