@@ -34,7 +34,7 @@ from distune.worker_runtime.module_state import BufferBroadcast, broadcast_modul
 from distune.worker_runtime.reducer import Reducer
 from distune.worker_runtime.starting_group import StartingGroup
 from distune.worker_runtime.sync import SyncPoints
-from distune.worker_runtime.topology import HierarchicalGroups, Topology, discover
+from distune.worker_runtime.topology import HierarchicalProcessGroups, Topology, discover
 from distune.worker_runtime.torch_ddp_arguments import TorchDDPArguments
 from distune.worker_settings import WorkerSettings
 
@@ -133,7 +133,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if arguments.init_sync:
             broadcast_module_state(module, self.process_group)
         process_groups = (
-            HierarchicalGroups.build(self.topology, self.process_group)
+            HierarchicalProcessGroups.build(self.topology, self.process_group)
             if self.topology.hierarchical_possible
             else None
         )
@@ -154,7 +154,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self,
         named: list[tuple[str, nn.Parameter]],
         hyperparameters: Hyperparameters,
-        process_groups: HierarchicalGroups | None,
+        process_groups: HierarchicalProcessGroups | None,
     ) -> None:
         """The parts that hold process groups and hooks (rebuilt by ``__setstate__``)."""
         self._reducer: Reducer | None = Reducer(

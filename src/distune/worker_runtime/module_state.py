@@ -40,8 +40,8 @@ def broadcast_tensors(
     for tensor in tensors:
         if tensor.numel() > 0:
             by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    for group in by_kind.values():
-        for chunk in _chunks(group, BROADCAST_CHUNK_BYTES):
+    for same_kind in by_kind.values():
+        for chunk in _chunks(same_kind, BROADCAST_CHUNK_BYTES):
             if len(chunk) == 1:
                 dist.broadcast(chunk[0], src=src, group=process_group)
                 continue

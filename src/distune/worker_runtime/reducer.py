@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from distune.space import Hyperparameters
 from distune.worker_runtime.buckets import Bucket, Slot, assign_buckets
-from distune.worker_runtime.topology import HierarchicalGroups
+from distune.worker_runtime.topology import HierarchicalProcessGroups
 
 #: Gradients of at least this many elements are divided while copied into their bucket.
 FUSED_DIVISION_MIN_NUMEL = 4096
@@ -79,7 +79,7 @@ class _HierarchicalAllreduce:
     so the chains run in one worker thread, bucket after bucket in launch order.
     """
 
-    def __init__(self, process_groups: HierarchicalGroups, device: torch.device) -> None:
+    def __init__(self, process_groups: HierarchicalProcessGroups, device: torch.device) -> None:
         self._process_groups = process_groups
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._executor = (
@@ -163,7 +163,7 @@ class Reducer:
         names: Sequence[str],
         process_group: dist.ProcessGroup,
         hyperparameters: Hyperparameters,
-        process_groups: HierarchicalGroups | None,
+        process_groups: HierarchicalProcessGroups | None,
         device: torch.device,
         module: torch.nn.Module | None = None,
     ) -> None:
