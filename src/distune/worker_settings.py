@@ -36,6 +36,13 @@ VARIABLES = {
 }
 
 
+def variable_table() -> str:
+    """The README's table of the ``DISTUNE_*`` variables, from :data:`VARIABLES`."""
+    rows = ["| variable | meaning |", "|---|---|"]
+    rows += [f"| `{name}` | {meaning} |" for name, meaning in VARIABLES.items()]
+    return "\n".join(rows) + "\n"
+
+
 class SettingsError(DistuneError, ValueError):
     """A ``DISTUNE_*`` variable holds a value it may not; the message names it."""
 

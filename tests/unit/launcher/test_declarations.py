@@ -15,6 +15,7 @@ from distune.tuning_service.config import (
     setting_table,
 )
 from distune.tuning_service.server import _config, _parser
+from distune.worker_settings import variable_table
 
 REPO = Path(__file__).resolve().parents[3]
 README = REPO / "README.md"
@@ -23,6 +24,12 @@ README = REPO / "README.md"
 def test_readme_flag_table_is_the_declared_one():
     assert flag_table() in README.read_text(encoding="utf-8"), (
         "README's launcher table differs from the flags' declarations; paste flag_table()"
+    )
+
+
+def test_readme_variable_table_is_the_declared_one():
+    assert variable_table() in README.read_text(encoding="utf-8"), (
+        "README's DISTUNE_* table differs from worker_settings.VARIABLES; paste variable_table()"
     )
 
 
