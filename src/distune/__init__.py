@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from distune.space import Hyperparameters
 
 if TYPE_CHECKING:
+    from distune import data
     from distune.worker_runtime import DistributedDataParallel
     from distune.worker_runtime.fused_optimizer import fuse_optimizer
 
@@ -21,6 +22,7 @@ __all__ = [
     "DistributedDataParallel",
     "Hyperparameters",
     "__version__",
+    "data",
     "fuse_optimizer",
 ]
 
@@ -29,7 +31,7 @@ _LAZY = {
     "fuse_optimizer": "distune.worker_runtime.fused_optimizer",
 }
 #: Submodules that import torch, loaded on first attribute access.
-_LAZY_MODULES: tuple[str, ...] = ()
+_LAZY_MODULES = ("data",)
 
 
 def __getattr__(name: str) -> Any:
