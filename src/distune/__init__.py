@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from distune.space import Hyperparameters
 
 if TYPE_CHECKING:
-    from distune import data
+    from distune import algorithms, data
     from distune.worker_runtime import DistributedDataParallel
     from distune.worker_runtime.fused_optimizer import fuse_optimizer
 
@@ -22,6 +22,7 @@ __all__ = [
     "DistributedDataParallel",
     "Hyperparameters",
     "__version__",
+    "algorithms",
     "data",
     "fuse_optimizer",
 ]
@@ -31,7 +32,7 @@ _LAZY = {
     "fuse_optimizer": "distune.worker_runtime.fused_optimizer",
 }
 #: Submodules that import torch, loaded on first attribute access.
-_LAZY_MODULES = ("data",)
+_LAZY_MODULES = ("algorithms", "data")
 
 
 def __getattr__(name: str) -> Any:
