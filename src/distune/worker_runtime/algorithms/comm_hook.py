@@ -85,7 +85,8 @@ class CommHookExchange:
         buckets = self._buckets()
         index = next(i for i, b in enumerate(buckets) if b is bucket)
         future = self._hook(self._state, CommHookBucket(index, index == len(buckets) - 1, bucket))
-        if not isinstance(future, torch.futures.Future):
+        # torch's hooks return torch._C.Future (what torch.futures.Future wraps): duck-typed.
+        if not callable(getattr(future, "wait", None)):
             raise TypeError(
                 f"the communication hook must return a torch.futures.Future, got "
                 f"{type(future).__name__}"
