@@ -30,9 +30,12 @@ from distune import algorithms
 def student(width: int) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(width, 2 * width), nn.ReLU(),
-        nn.Linear(2 * width, 2 * width), nn.ReLU(),
-        nn.Linear(2 * width, width // 2), nn.ReLU(),
+        nn.Linear(width, 2 * width),
+        nn.ReLU(),
+        nn.Linear(2 * width, 2 * width),
+        nn.ReLU(),
+        nn.Linear(2 * width, width // 2),
+        nn.ReLU(),
         nn.Linear(width // 2, 1),
     )
 

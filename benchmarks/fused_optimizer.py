@@ -95,9 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         time_variant(model, optimizer, x, 3, key[1] != "fused+keep")
     for _ in range(args.rounds):
         for key, (model, optimizer) in built.items():
-            step_only, whole = time_variant(
-                model, optimizer, x, args.steps, key[1] != "fused+keep"
-            )
+            step_only, whole = time_variant(model, optimizer, x, args.steps, key[1] != "fused+keep")
             samples[key][0].extend(step_only)
             samples[key][1].extend(whole)
     n_params = sum(1 for _ in many_small_model(args.blocks, args.width).parameters())

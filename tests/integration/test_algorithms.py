@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ddp_launch import run_job, worker_main
 from torch import nn
 
-from distune.algorithms import AsyncModelAverage, Decentralized, LowPrecision
+from distune.algorithms import AsyncModelAverage, Decentralized, GradientAllReduce, LowPrecision
 from distune.worker_runtime.buckets import Bucket
 
 pytestmark = pytest.mark.slow
@@ -39,14 +39,22 @@ def _bucket(numel: int) -> Bucket:
     return Bucket([torch.zeros(numel - 5), torch.zeros(5)])
 
 
-def _exchange(exchange: Any, bucket: Bucket, grads: torch.Tensor) -> torch.Tensor:
-    """One averaging of ``grads`` (this rank's gradients) through ``exchange``, as the engine
-    drives it: divided by the world size first, used flags set, start then finish."""
-    bucket.grads.copy_(grads / dist.get_world_size())
-    bucket.flags.fill_(1)
-    exchange.finish([exchange.start(bucket)])
-    assert bucket.flags.tolist() == [dist.get_world_size()] * len(bucket.flags)
-    return bucket.grads.clone()
+class _Engine:
+    """Drives an algorithm's exchange as the reducer does, one bucket per backward: divided by
+    the world size first (unless the exchange averages itself), used flags set, start(flat)
+    then finish."""
+
+    def __init__(self, algorithm: LowPrecision) -> None:
+        self.buckets: list[Bucket] = []
+        self.exchange = algorithm.gradient_exchange(dist.group.WORLD, lambda: self.buckets)
+
+    def average(self, bucket: Bucket, grads: torch.Tensor) -> torch.Tensor:
+        self.buckets = [bucket]
+        bucket.grads.copy_(grads / dist.get_world_size())
+        bucket.flags.fill_(1)
+        self.exchange.finish([self.exchange.start(bucket.flat)])
+        assert bucket.flags.tolist() == [dist.get_world_size()] * len(bucket.flags)
+        return bucket.grads.clone()
 
 
 def _rounding_bound(inputs: list[torch.Tensor], mean: torch.Tensor, n: int) -> torch.Tensor:
@@ -69,14 +77,14 @@ def low_precision(out: Path) -> dict[str, Any]:
     result: dict[str, Any] = {}
 
     # Without error feedback, one step: within one quantization step of the exact mean.
-    exchange = LowPrecision(bits=8, error_feedback=False).gradient_exchange(dist.group.WORLD)
-    bucket = _bucket(numel)
+    engine = _Engine(LowPrecision(bits=8, error_feedback=False))
     worst = 0.0
-    for step in range(5):
-        grads = torch.randn(numel, generator=torch.Generator().manual_seed(10 * step + rank))
+    for step, size in enumerate([numel, numel, 10 * numel]):  # the last: 3 blocks a rank
+        bucket = _bucket(size)
+        grads = torch.randn(size, generator=torch.Generator().manual_seed(10 * step + rank))
         inputs = _gather(grads)
         mean = sum(inputs) / n
-        averaged = _exchange(exchange, bucket, grads)
+        averaged = engine.average(bucket, grads)
         bound = _rounding_bound(inputs, mean, n)
         error = (averaged - mean).abs()
         assert bool((error <= bound * (1 + 1e-4) + 1e-7).all()), (error - bound).max()
@@ -93,11 +101,9 @@ def low_precision(out: Path) -> dict[str, Any]:
     mean = sum(inputs) / n
     bound = _rounding_bound(inputs, mean, n)
     for feedback in (True, False):
-        exchange = LowPrecision(bits=8, error_feedback=feedback).gradient_exchange(
-            dist.group.WORLD
-        )
+        engine = _Engine(LowPrecision(bits=8, error_feedback=feedback))
         bucket = _bucket(numel)
-        total = sum(_exchange(exchange, bucket, grads) for _ in range(k))
+        total = sum(engine.average(bucket, grads) for _ in range(k))
         drift = float(((total - k * mean).abs() / bound).max())
         result[f"sum_of_{k}_steps_error_over_bound_feedback_{feedback}"] = drift
     # The residual bounds of the last step use its own inputs (gradient plus carried error), a
@@ -107,10 +113,10 @@ def low_precision(out: Path) -> dict[str, Any]:
 
     # 16-bit floats: the average within fp16/bf16 rounding, identical on every rank.
     for dtype, tolerance in (("fp16", 2e-3), ("bf16", 2e-2)):
-        exchange = LowPrecision(bits=16, dtype=dtype).gradient_exchange(dist.group.WORLD)
+        engine = _Engine(LowPrecision(bits=16, dtype=dtype))
         grads = torch.randn(numel, generator=torch.Generator().manual_seed(7 + rank))
         mean = sum(_gather(grads)) / n
-        averaged = _exchange(exchange, _bucket(numel), grads)
+        averaged = engine.average(_bucket(numel), grads)
         torch.testing.assert_close(averaged, mean, rtol=tolerance, atol=tolerance)
         assert all(torch.equal(averaged, other) for other in _gather(averaged))
     return result
@@ -176,6 +182,120 @@ def async_model_average(out: Path) -> dict[str, Any]:
     with pytest.raises(RuntimeError, match="finish"):
         averager.before_forward()
     return {"elapsed": elapsed, "rounds": averager.rounds}
+
+
+def _batch(step: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * dist.get_rank() + step)
+    return torch.randn(6, 12, generator=generator)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(12, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 3)
+    )
+
+
+@scenario
+def comm_hooks(out: Path) -> dict[str, Any]:
+    """torch's fp16 compression and PowerSGD hooks: distune's engine against torch DDP."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    import distune
+
+    hooks = {
+        "fp16": (lambda: None, default_hooks.fp16_compress_hook),
+        "powersgd": (
+            lambda: powersgd.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=2,
+                start_powerSGD_iter=2,
+                min_compression_rate=0.5,
+            ),
+            powersgd.powerSGD_hook,
+        ),
+    }
+    for name, (make_state, hook) in hooks.items():
+        ours = distune.DistributedDataParallel(_mlp())
+        ref = nn.parallel.DistributedDataParallel(_mlp())
+        ours.register_comm_hook(make_state(), hook)
+        ref.register_comm_hook(make_state(), hook)
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, ref)]
+        for step in range(6):  # PowerSGD compresses from step 2 on
+            for model, optimizer in zip((ours, ref), optimizers, strict=True):
+                optimizer.zero_grad()
+                model(_batch(step)).pow(2).mean().backward()
+            for (pname, a), b in zip(
+                ours.module.named_parameters(), ref.module.parameters(), strict=True
+            ):
+                torch.testing.assert_close(
+                    a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=f"{name} step {step} {pname}"
+                )
+            for optimizer in optimizers:
+                optimizer.step()
+    return {}
+
+
+@scenario
+def through_the_wrapper(out: Path) -> dict[str, Any]:
+    """Each algorithm through DistributedDataParallel(..., algorithm=...)."""
+    import distune
+
+    results = {}
+    # GradientAllReduce, named explicitly: torch DDP's gradients (2 ranks: exact sums).
+    ours = distune.DistributedDataParallel(_mlp(), algorithm=GradientAllReduce())
+    ref = nn.parallel.DistributedDataParallel(_mlp())
+    for step in range(2):
+        for model in (ours, ref):
+            model.zero_grad()
+            model(_batch(step)).pow(2).mean().backward()
+        for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+    # LowPrecision: every rank decodes the same bytes, so the models stay identical; the
+    # averaged gradient is within 8-bit rounding of torch DDP's.
+    ours = distune.DistributedDataParallel(_mlp(), algorithm=LowPrecision(bits=8))
+    ref = nn.parallel.DistributedDataParallel(_mlp())
+    for step in range(3):
+        for model in (ours, ref):
+            model.zero_grad()
+            model(_batch(step)).pow(2).mean().backward()
+        # Chunks span parameters, so the step is set by the bucket's range; error feedback adds
+        # up to one step of the previous one: a few steps of the largest gradient in all.
+        scale = max(float(b.grad.abs().max()) for b in ref.parameters())
+        for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=4 * 2 * scale / 255)
+            assert torch.equal(*_gather(a.grad.contiguous()))
+    assert ours.hyperparameters.is_hierarchical_reduce is False
+    # Decentralized: gradients stay local; after the next forward, weights are the peers'
+    # average moved by the local update.
+    for algorithm in (Decentralized(), AsyncModelAverage(interval_seconds=0.0)):
+        model = distune.DistributedDataParallel(nn.Linear(12, 3).double(), algorithm=algorithm)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float(dist.get_rank()))  # ranks differ (construction broadcast them)
+        model(_batch(0).double()).sum().backward()
+        local = [p.grad.clone() for p in model.parameters()]
+        assert not torch.equal(*_gather(local[0])), "gradients must stay local"
+        model.finish()
+        results[type(algorithm).__name__] = [float(p.mean()) for p in model.parameters()]
+        assert all(torch.equal(*_gather(p.detach())) for p in model.parameters())
+    # With nothing trained, both end on the average of rank 0's zeros and rank 1's ones.
+    assert results["Decentralized"] == [0.5, 0.5], results
+    assert results["AsyncModelAverage"] == [0.5, 0.5], results
+    with pytest.raises(RuntimeError, match="already does something else"):
+        model.register_comm_hook(None, lambda state, bucket: None)
+    with pytest.raises(TypeError, match="algorithm must be one of"):
+        distune.DistributedDataParallel(_mlp(), algorithm="LowPrecision")
+    return results
+
+
+def test_comm_hooks_give_torch_ddps_gradients(tmp_path):
+    run_job(__file__, "comm_hooks", tmp_path)
+
+
+def test_algorithms_through_the_wrapper(tmp_path):
+    run_job(__file__, "through_the_wrapper", tmp_path)
 
 
 def test_low_precision_within_one_step_and_error_feedback_keeps_the_sum(tmp_path):

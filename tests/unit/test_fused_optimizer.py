@@ -63,6 +63,7 @@ def test_groups_dtypes_and_scheduler() -> None:
     reference, fused_model = _model(), _model()
     for model in (reference, fused_model):
         model[0].double()  # a second dtype: a second flat tensor in its group
+
     def groups(model: nn.Module) -> list[dict[str, object]]:
         return [
             {"params": list(model[:9].parameters()), "lr": 0.1},
@@ -72,7 +73,9 @@ def test_groups_dtypes_and_scheduler() -> None:
     unfused = torch.optim.SGD(groups(reference), lr=0.01, momentum=0.5)
     fused = distune.fuse_optimizer(torch.optim.SGD(groups(fused_model), lr=0.01, momentum=0.5))
     assert [len(g["params"]) for g in fused.param_groups] == [2, 1]
-    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5) for o in (unfused, fused)]
+    schedulers = [
+        torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5) for o in (unfused, fused)
+    ]
 
     def step(model: nn.Module, optimizer: torch.optim.Optimizer, i: int) -> None:
         gen = torch.Generator().manual_seed(i)

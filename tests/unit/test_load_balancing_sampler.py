@@ -57,9 +57,9 @@ def test_padding_and_drop_last_as_distributed_sampler() -> None:
     counts = Counter(i for s in padded for i in s)
     assert set(counts) == set(range(103))  # everything at least once
     assert sum(counts.values()) == 104 and max(counts.values()) == 2  # one repeated, as torch
-    assert [len(s) for s in padded] == [len(s) for s in (
-        DistributedSampler(dataset, num_replicas=4, rank=r) for r in range(4)
-    )]
+    assert [len(s) for s in padded] == [
+        len(s) for s in (DistributedSampler(dataset, num_replicas=4, rank=r) for r in range(4))
+    ]
     dropped = _samplers(dataset, 4, drop_last=True)
     seen = [i for s in dropped for i in s]
     assert len(seen) == len(set(seen)) == 100

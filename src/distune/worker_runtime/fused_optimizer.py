@@ -129,9 +129,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = (
-            OrderedDict()
-        )
+        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = (
             OrderedDict()
         )
@@ -259,9 +257,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def _split(
-    value: Any, flat: torch.Tensor, start: int, end: int, member: torch.Tensor
-) -> Any:
+def _split(value: Any, flat: torch.Tensor, start: int, end: int, member: torch.Tensor) -> Any:
     if isinstance(value, torch.Tensor) and value.shape == flat.shape:
         return value[start:end].view_as(member).clone()
     # Copies: optimizers step scalar state such as ``step`` in place.

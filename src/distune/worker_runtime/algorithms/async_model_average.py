@@ -47,9 +47,11 @@ class AsyncModelAverage(Algorithm):
     uses_hierarchical = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.interval_seconds, bool) or not isinstance(
-            self.interval_seconds, (int, float)
-        ) or not self.interval_seconds >= 0:
+        if (
+            isinstance(self.interval_seconds, bool)
+            or not isinstance(self.interval_seconds, (int, float))
+            or not self.interval_seconds >= 0
+        ):
             raise ValueError(
                 f"interval_seconds must be a number of seconds >= 0, got {self.interval_seconds!r}"
             )

@@ -13,7 +13,7 @@ An :class:`Algorithm` is configuration (a frozen dataclass the user builds). Giv
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -25,23 +25,49 @@ from distune.worker_runtime.buckets import Bucket
 class GradientExchange(Protocol):
     """Turns each rank's bucket of gradients into the average over the ranks, in place.
 
-    ``start`` is called once per bucket, in the same bucket order on every rank, while backward
-    goes on; ``finish`` at the end of backward with what the ``start`` calls returned, in
-    order, and returns once every bucket's ``grads`` holds the average and its ``flags`` the
-    per-parameter sum (the count of ranks that had a gradient).
+    ``start(flat)`` is called once per bucket with the bucket's flat buffer (``Bucket.flat``:
+    gradients, then one used flag per parameter, then padding; or a tensor of zeros of that
+    layout on a rank that has joined, see ``join``), in launch order, the same on every rank,
+    while backward goes on: the ``k``-th call after a ``finish`` is bucket ``k`` of
+    ``buckets()``. ``finish`` is called at the end of backward with what the ``start`` calls
+    returned, in order, and returns once every flat buffer holds the average of the gradients
+    and the per-parameter sum of the flags (the count of ranks that had a gradient).
     """
 
     #: True when ``start`` receives the ranks' gradients undivided (it averages them itself, as
     #: torch's communication hooks do); False when the engine divides by the world size first.
     expects_sum: bool
 
-    def start(self, bucket: Bucket) -> Any:
-        """Begin averaging ``bucket``; return what ``finish`` needs to wait for it."""
+    def start(self, flat: torch.Tensor) -> Any:
+        """Begin averaging the next bucket, held in ``flat``; return what ``finish`` needs."""
         ...
 
     def finish(self, handles: list[Any]) -> None:
         """Wait until every started bucket is averaged."""
         ...
+
+
+#: The engine's buckets in launch order, as they are now (rebuilt when the layout changes).
+Buckets = Callable[[], Sequence[Bucket]]
+
+
+class BucketOrder:
+    """Which bucket the next ``start`` is: the ``k``-th since the last ``finish``."""
+
+    def __init__(self, buckets: Buckets) -> None:
+        self._buckets = buckets
+        self._next = 0
+
+    def next(self) -> tuple[int, int, Bucket]:
+        """(index, number of buckets, bucket) of the next ``start``."""
+        buckets = self._buckets()
+        index = self._next
+        self._next += 1
+        return index, len(buckets), buckets[index]
+
+    def reset(self) -> None:
+        """A ``finish``: the next ``start`` is bucket 0."""
+        self._next = 0
 
 
 class ModelAverager(ABC):
@@ -68,9 +94,12 @@ class Algorithm:
     uses_bucket_size: bool = True
     uses_hierarchical: bool = False
 
-    def gradient_exchange(self, process_group: dist.ProcessGroup) -> GradientExchange | None:
-        """The exchange of gradient buckets; ``None``: the engine's own allreduce (flat or
-        hierarchical, as tuned). Not called for model-averaging algorithms."""
+    def gradient_exchange(
+        self, process_group: dist.ProcessGroup, buckets: Buckets
+    ) -> GradientExchange | None:
+        """The exchange of gradient buckets (``buckets()``: the engine's, in launch order);
+        ``None``: the engine's own allreduce (flat or hierarchical, as tuned). Not called for
+        model-averaging algorithms."""
         return None
 
     def model_averager(

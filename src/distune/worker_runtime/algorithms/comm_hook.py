@@ -15,13 +15,14 @@ does.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from distune.worker_runtime.algorithms.base import BucketOrder, Buckets
 from distune.worker_runtime.buckets import Bucket
 
 CommHook = Callable[[Any, Any], "torch.futures.Future[torch.Tensor]"]
@@ -31,10 +32,11 @@ class CommHookBucket:
     """What a communication hook sees of one bucket: torch's ``GradBucket`` methods
     ``index``, ``buffer``, ``gradients``, ``parameters``, ``is_last`` and ``set_buffer``."""
 
-    def __init__(self, index: int, is_last: bool, bucket: Bucket) -> None:
+    def __init__(self, index: int, is_last: bool, flat: torch.Tensor, bucket: Bucket) -> None:
         self._index = index
         self._is_last = is_last
         self._bucket = bucket
+        self._grads = flat[: bucket.grads.numel()]
 
     def index(self) -> int:
         """The bucket's position in launch order (0 is the first launched)."""
@@ -46,11 +48,14 @@ class CommHookBucket:
 
     def buffer(self) -> torch.Tensor:
         """The flat gradient buffer (1-D), which holds this rank's gradients."""
-        return self._bucket.grads
+        return self._grads
 
     def gradients(self) -> list[torch.Tensor]:
         """Each parameter's gradient: views of :meth:`buffer`, in bucket order."""
-        return list(self._bucket.views)
+        return [
+            self._grads[start:end].view_as(view)
+            for (start, end), view in zip(self._bucket.spans, self._bucket.views, strict=True)
+        ]
 
     def parameters(self) -> list[torch.Tensor]:
         """The bucket's parameters, in the order of :meth:`gradients`."""
@@ -58,7 +63,7 @@ class CommHookBucket:
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
         """Replace the buffer's contents with ``tensor`` (same number of elements)."""
-        self._bucket.grads.copy_(tensor.reshape(-1))
+        self._grads.copy_(tensor.reshape(-1))
 
 
 class CommHookExchange:
@@ -71,51 +76,55 @@ class CommHookExchange:
         process_group: dist.ProcessGroup,
         state: Any,
         hook: CommHook,
-        buckets: Callable[[], Sequence[Bucket]],
+        buckets: Buckets,
     ) -> None:
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
         self._group = process_group
         self._state = state
         self._hook = hook
-        self._buckets = buckets
+        self._order = BucketOrder(buckets)
         self._executor: ThreadPoolExecutor | None = None
 
-    def _call(self, bucket: Bucket) -> torch.Tensor:
-        buckets = self._buckets()
-        index = next(i for i, b in enumerate(buckets) if b is bucket)
-        future = self._hook(self._state, CommHookBucket(index, index == len(buckets) - 1, bucket))
+    def _call(self, index: int, count: int, flat: torch.Tensor, bucket: Bucket) -> Any:
+        future = self._hook(self._state, CommHookBucket(index, index == count - 1, flat, bucket))
         # torch's hooks return torch._C.Future (what torch.futures.Future wraps): duck-typed.
         if not callable(getattr(future, "wait", None)):
             raise TypeError(
                 f"the communication hook must return a torch.futures.Future, got "
                 f"{type(future).__name__}"
             )
-        return future  # type: ignore[return-value]
+        return future
 
-    def start(self, bucket: Bucket) -> tuple[Bucket, Any, Any]:
-        """Sum the used flags exactly and call the hook on ``bucket``."""
-        flags = dist.all_reduce(bucket.flags, group=self._group, async_op=True)
-        if bucket.flat.device.type == "cuda":
-            return bucket, self._call(bucket), flags
+    def start(self, flat: torch.Tensor) -> tuple[torch.Tensor, int, Any, Any]:
+        """Sum the used flags exactly and call the hook on the next bucket, in ``flat``."""
+        index, count, bucket = self._order.next()
+        length = bucket.grads.numel()
+        flags = dist.all_reduce(
+            flat[length : length + len(bucket.flags)], group=self._group, async_op=True
+        )
+        if flat.device.type == "cuda":
+            return flat, length, self._call(index, count, flat, bucket), flags
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="distune-comm-hook")
             weakref.finalize(self, self._executor.shutdown, wait=False)
-        return bucket, self._executor.submit(_run_to_end, self._call, bucket), flags
+        pending = self._executor.submit(_run_to_end, self._call, index, count, flat, bucket)
+        return flat, length, pending, flags
 
-    def finish(self, handles: list[tuple[Bucket, Any, Any]]) -> None:
+    def finish(self, handles: list[tuple[torch.Tensor, int, Any, Any]]) -> None:
         """Wait for every hook's future and put its value in the bucket."""
-        for bucket, pending, flags in handles:
+        self._order.reset()
+        for flat, length, pending, flags in handles:
             result = pending.result() if isinstance(pending, Future) else pending.wait()
-            if not isinstance(result, torch.Tensor) or result.numel() != bucket.grads.numel():
+            if not isinstance(result, torch.Tensor) or result.numel() != length:
                 raise TypeError(
                     "the communication hook's future must hold a tensor of the bucket's "
-                    f"{bucket.grads.numel()} elements, got {result!r:.80}"
+                    f"{length} elements, got {result!r:.80}"
                 )
-            if result.data_ptr() != bucket.grads.data_ptr():
-                bucket.grads.copy_(result.reshape(-1))
+            if result.data_ptr() != flat.data_ptr():
+                flat[:length].copy_(result.reshape(-1))
             flags.wait()
 
 
-def _run_to_end(call: Callable[[Bucket], Any], bucket: Bucket) -> torch.Tensor:
-    return call(bucket).wait()
+def _run_to_end(call: Callable[..., Any], *args: Any) -> torch.Tensor:
+    return call(*args).wait()

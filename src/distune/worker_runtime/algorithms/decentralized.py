@@ -54,8 +54,10 @@ class Decentralized(Algorithm):
                 f"peer_selection must be one of {', '.join(_PEER_SELECTIONS)}, got "
                 f"{self.peer_selection!r}"
             )
-        if isinstance(self.interval, bool) or not isinstance(self.interval, int) or (
-            self.interval < 1
+        if (
+            isinstance(self.interval, bool)
+            or not isinstance(self.interval, int)
+            or (self.interval < 1)
         ):
             raise ValueError(f"interval must be a positive number of steps, got {self.interval!r}")
 

@@ -30,7 +30,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distune.worker_runtime.algorithms.base import Algorithm, GradientExchange
+from distune.worker_runtime.algorithms.base import (
+    Algorithm,
+    BucketOrder,
+    Buckets,
+    GradientExchange,
+)
 from distune.worker_runtime.buckets import Bucket
 
 _LEVELS = 255  # 8 bits
@@ -76,9 +81,11 @@ class LowPrecision(Algorithm):
         if not isinstance(self.error_feedback, bool):
             raise TypeError(f"error_feedback must be True or False, got {self.error_feedback!r}")
 
-    def gradient_exchange(self, process_group: dist.ProcessGroup) -> GradientExchange:
+    def gradient_exchange(
+        self, process_group: dist.ProcessGroup, buckets: Buckets
+    ) -> GradientExchange:
         """The compressed scatter-reduce + allgather exchange."""
-        return LowPrecisionExchange(process_group, self._cast, self.error_feedback)
+        return LowPrecisionExchange(process_group, buckets, self._cast, self.error_feedback)
 
 
 def quantize(chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,36 +127,42 @@ class LowPrecisionExchange:
     expects_sum = False
 
     def __init__(
-        self, process_group: dist.ProcessGroup, cast: torch.dtype | None, error_feedback: bool
+        self,
+        process_group: dist.ProcessGroup,
+        buckets: Buckets,
+        cast: torch.dtype | None,
+        error_feedback: bool,
     ) -> None:
+        self._order = BucketOrder(buckets)
         self._group = process_group
         self._world = dist.get_world_size(process_group)
         self._rank = dist.get_rank(process_group)
         self._cast = cast
         self._error_feedback = error_feedback
-        self._states: weakref.WeakKeyDictionary[Bucket, _BucketState] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._states: weakref.WeakKeyDictionary[Bucket, _BucketState] = weakref.WeakKeyDictionary()
         self._executor: ThreadPoolExecutor | None = None
         self._stream: Any = None
 
-    def start(self, bucket: Bucket) -> Future[None] | None:
-        """Compress and exchange ``bucket`` (already divided by the world size)."""
-        device = bucket.flat.device
+    def start(self, flat: torch.Tensor) -> Future[None] | None:
+        """Compress and exchange the next bucket, in ``flat`` (already divided by the world
+        size)."""
+        _, _, bucket = self._order.next()
+        device = flat.device
         if device.type == "cuda":
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device)
             self._stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(self._stream):
-                self.exchange(bucket)
+                self.exchange(flat, bucket)
             return None
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="distune-low-precision")
             weakref.finalize(self, self._executor.shutdown, wait=False)
-        return self._executor.submit(self.exchange, bucket)
+        return self._executor.submit(self.exchange, flat, bucket)
 
     def finish(self, handles: list[Any]) -> None:
         """Wait for every bucket's exchange."""
+        self._order.reset()
         if self._stream is not None:
             torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
         for handle in handles:
@@ -161,12 +174,15 @@ class LowPrecisionExchange:
         if self._executor is not None:
             self._executor.shutdown(wait=False)
 
-    def exchange(self, bucket: Bucket) -> None:
-        """The whole exchange of one bucket, blocking until its average is in ``bucket``."""
-        flags = dist.all_reduce(bucket.flags, group=self._group, async_op=True)
-        grads = bucket.grads
+    def exchange(self, flat: torch.Tensor, bucket: Bucket) -> None:
+        """The whole exchange of one bucket (``flat`` laid out as ``bucket``), blocking until
+        its average is in ``flat``. Error feedback is kept per ``bucket``."""
+        length = bucket.grads.numel()
+        grads = flat[:length]
+        flags = dist.all_reduce(
+            flat[length : length + len(bucket.flags)], group=self._group, async_op=True
+        )
         n = self._world
-        length = grads.numel()
         padded = -(-length // n) * n
         state = self._states.get(bucket)
         if self._error_feedback and state is None:
