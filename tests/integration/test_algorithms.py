@@ -252,6 +252,20 @@ def through_the_wrapper(out: Path) -> dict[str, Any]:
             model(_batch(step)).pow(2).mean().backward()
         for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+    # The fused optimizer on the wrapper: the same training as unfused, gradients averaged.
+    models = [distune.DistributedDataParallel(_mlp()) for _ in range(2)]
+    optimizers = [
+        torch.optim.AdamW(models[0].parameters(), lr=0.01),
+        distune.fuse_optimizer(torch.optim.AdamW(models[1].parameters(), lr=0.01)),
+    ]
+    for step in range(4):
+        for model, optimizer in zip(models, optimizers, strict=True):
+            optimizer.zero_grad(set_to_none=step % 2 == 0)
+            model(_batch(step)).pow(2).mean().backward()
+            optimizer.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert torch.equal(*_gather(b.detach().contiguous()))
     # LowPrecision: every rank decodes the same bytes, so the models stay identical; the
     # averaged gradient is within 8-bit rounding of torch DDP's.
     ours = distune.DistributedDataParallel(_mlp(), algorithm=LowPrecision(bits=8))
