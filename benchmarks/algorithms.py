@@ -99,10 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{raw['gradient_bytes'] / 2**20:.1f} MiB of gradients"
     )
     print(title)
-    print(f"{'variant':<28}{'step ms':>9}{'vs GAR':>8}{'vs DDP':>8}{'loss':>10}")
+    print(f"{'variant':<32}{'step ms':>9}{'vs GAR':>8}{'vs DDP':>8}{'loss':>10}")
     for r in rows:
         print(
-            f"{r['variant']:<28}{1e3 * r['step_s']:>9.1f}{r['vs_gradient_allreduce']:>8.2f}"
+            f"{r['variant']:<32}{1e3 * r['step_s']:>9.1f}{r['vs_gradient_allreduce']:>8.2f}"
             f"{r['vs_torch_ddp']:>8.2f}{r['loss']:>10.4f}"
         )
     if args.plot:

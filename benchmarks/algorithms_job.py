@@ -63,6 +63,7 @@ VARIANTS: dict[str, Callable[[nn.Module], nn.Module]] = {
     "torch fp16_compress_hook": _distune_hook,
     "Decentralized(ring)": _distune(algorithms.Decentralized("ring")),
     "Decentralized(shift_one)": _distune(algorithms.Decentralized("shift_one")),
+    "Decentralized(ring, interval 4)": _distune(algorithms.Decentralized("ring", interval=4)),
     "AsyncModelAverage(0.5 s)": _distune(algorithms.AsyncModelAverage(0.5)),
 }
 

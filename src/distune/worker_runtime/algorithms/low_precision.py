@@ -3,14 +3,15 @@
 Each bucket is cut into one chunk per rank. The exchange is a compressed scatter-reduce then
 allgather, so every byte on a link is compressed:
 
-1. each rank compresses its whole bucket (8-bit: each chunk scaled by its own min and max to
-   0..255; fp16/bf16: a cast) and sends chunk ``i`` to rank ``i`` (``all_to_all``);
+1. each rank compresses its whole bucket (8-bit: each block of :data:`BLOCK` values scaled by
+   its own min and max to 0..255; fp16/bf16: a cast) and sends chunk ``i`` to rank ``i``
+   (``all_to_all``);
 2. rank ``i`` decompresses the chunks it received and sums them in full precision: the sum of
    chunk ``i``;
 3. rank ``i`` compresses that sum and every rank gathers every chunk (``allgather``).
 
 A rank sends and receives ``(n - 1) / n`` of the bucket in each of the two steps, as a ring
-allreduce does, at a quarter (8-bit) or half (16-bit) of the bytes, plus 8 bytes per chunk for
+allreduce does, at a quarter (8-bit) or half (16-bit) of the bytes, plus 8 bytes per block for
 the 8-bit scales.
 
 Error feedback: what compression dropped, on the way out (each rank) and on the way back (the
@@ -39,6 +40,10 @@ from distune.worker_runtime.algorithms.base import (
 from distune.worker_runtime.buckets import Bucket
 
 _LEVELS = 255  # 8 bits
+#: Elements sharing one 8-bit scale (min and step: 8 bytes, 0.4 % of the codes). A chunk of a
+#: whole bucket would span parameters of very different magnitudes, and the smallest would round
+#: to zero; blocks keep the rounding relative to the values nearby.
+BLOCK = 2048
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -88,24 +93,32 @@ class LowPrecision(Algorithm):
         return LowPrecisionExchange(process_group, buckets, self._cast, self.error_feedback)
 
 
-def quantize(chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    chunks: torch.Tensor, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """8-bit quantization of each row of ``chunks`` (float32 ``[c, m]``) scaled to its own range.
 
-    Returns ``(codes, scales)``: ``codes`` uint8 ``[c, m]``; ``scales`` float32 ``[c, 2]``
-    holding each row's minimum and step, so ``dequantize`` maps a code ``q`` to ``min + q*step``
-    and the rounding error of every value is at most half a step.
+    Returns ``(codes, scales)``: ``codes`` uint8 ``[c, m]`` (written into ``out`` if given);
+    ``scales`` float32 ``[c, 2]`` holding each row's minimum and step, so ``dequantize`` maps a
+    code ``q`` to ``min + q*step`` and the rounding error of every value is at most half a step.
     """
-    low = chunks.amin(dim=1)
-    step = (chunks.amax(dim=1) - low) / _LEVELS
+    low, high = torch.aminmax(chunks, dim=1)
+    step = (high - low) / _LEVELS
     # A constant row has step 0: any positive step encodes it exactly (all codes 0).
     step = torch.where(step > 0, step, torch.ones_like(step))
-    codes = ((chunks - low[:, None]) / step[:, None]).round_().clamp_(0, _LEVELS)
-    return codes.to(torch.uint8), torch.stack([low, step], dim=1)
+    inverse = step.reciprocal()
+    # (x - low) / step in one pass; the clamp guards the top code against the reciprocal's ulp.
+    scaled = torch.addcmul((-low * inverse)[:, None], chunks, inverse[:, None])
+    scaled.round_().clamp_(0, _LEVELS)
+    codes = scaled.to(torch.uint8) if out is None else out.copy_(scaled)
+    return codes, torch.stack([low, step], dim=1)
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`quantize`, as float32 ``[c, m]``."""
-    return codes.float() * scales[:, 1:2] + scales[:, 0:1]
+def dequantize(
+    codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Inverse of :func:`quantize`, as float32 ``[c, m]`` (into ``out`` if given)."""
+    return torch.addcmul(scales[:, 0:1], codes.float(), scales[:, 1:2], out=out)
 
 
 @dataclass
@@ -183,7 +196,10 @@ class LowPrecisionExchange:
             flat[length : length + len(bucket.flags)], group=self._group, async_op=True
         )
         n = self._world
-        padded = -(-length // n) * n
+        # Each rank's chunk is a whole number of blocks (one block if the bucket is small).
+        block = min(BLOCK, -(-length // n))
+        per_rank = -(-length // (n * block)) * block
+        padded = n * per_rank
         state = self._states.get(bucket)
         if self._error_feedback and state is None:
             state = _BucketState(
@@ -191,45 +207,69 @@ class LowPrecisionExchange:
                 torch.zeros(padded // n, dtype=torch.float32, device=grads.device),
             )
             self._states[bucket] = state
-        values = torch.zeros(padded, dtype=torch.float32, device=grads.device)
-        values[:length] = grads
         if state is not None:
-            values += state.outgoing
+            # What was dropped last time, plus this step's gradients: compressed in place.
+            values = state.outgoing
+            values[:length] += grads
+        elif padded == length and grads.dtype == torch.float32:
+            values = grads  # read only until the result is written back
+        else:
+            values = torch.zeros(padded, dtype=torch.float32, device=grads.device)
+            values[:length] = grads
         chunks = values.view(n, padded // n)
         # Scatter-reduce: chunk i of every rank to rank i, summed there in full precision.
-        sent, decoded = self._compress(chunks)
-        if state is not None:
-            torch.sub(chunks, decoded, out=state.outgoing.view(n, -1))
+        sent = self._compress(chunks, block, keep_error=state is not None)
         received = torch.empty_like(sent)
         dist.all_to_all_single(received, sent, group=self._group)
-        reduced = self._decompress(received).sum(dim=0, keepdim=True)
+        reduced = self._decompress(received, block).sum(dim=0, keepdim=True)
         if state is not None:
             reduced += state.reduced
         # Allgather: every rank's reduced chunk to every rank.
-        mine, mine_decoded = self._compress(reduced)
+        mine = self._compress(reduced, block, keep_error=state is not None)
         if state is not None:
-            torch.sub(reduced[0], mine_decoded[0], out=state.reduced)
+            state.reduced.copy_(reduced[0])
         gathered = torch.empty((n, *mine.shape[1:]), dtype=mine.dtype, device=mine.device)
         _all_gather_single(gathered, mine, self._group)
-        average = self._decompress(gathered).view(-1)
-        grads.copy_(average[:length])
+        if padded == length and grads.dtype == torch.float32:
+            self._decompress(gathered, block, out=grads.view(n, -1))
+        else:
+            grads.copy_(self._decompress(gathered, block).view(-1)[:length])
         flags.wait()
 
-    def _compress(self, chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows of ``chunks`` as one wire tensor per row, and what the receiver will decode."""
+    def _compress(self, chunks: torch.Tensor, block: int, keep_error: bool) -> torch.Tensor:
+        """Rows of ``chunks`` as one wire row each; with ``keep_error``, ``chunks`` is left
+        holding what compression dropped (the value minus what the receiver will decode)."""
         if self._cast is not None:
             wire = chunks.to(self._cast)
-            return wire, wire.float()
-        codes, scales = quantize(chunks)
-        # The scales travel in the same message: 8 bytes in front of each row's codes.
-        wire = torch.cat([scales.view(torch.uint8), codes], dim=1)
-        return wire, dequantize(codes, scales)
+            if keep_error:
+                chunks.sub_(wire.float())
+            return wire
+        rows, width = chunks.shape
+        blocks = chunks.view(-1, block)
+        codes, scales = quantize(blocks)
+        # Each row's scales travel in front of its codes: 8 bytes per block.
+        head = 8 * (width // block)
+        wire = torch.empty((rows, head + width), dtype=torch.uint8, device=chunks.device)
+        wire[:, :head] = scales.view(rows, -1).view(torch.uint8)
+        wire[:, head:] = codes.view(rows, width)
+        if keep_error:
+            blocks.sub_(dequantize(codes, scales))
+        return wire
 
-    def _decompress(self, wire: torch.Tensor) -> torch.Tensor:
+    def _decompress(
+        self, wire: torch.Tensor, block: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self._cast is not None:
-            return wire.float()
-        scales = wire[:, :8].contiguous().view(torch.float32)
-        return dequantize(wire[:, 8:], scales)
+            return wire.float() if out is None else out.copy_(wire)
+        rows = wire.shape[0]
+        width = (wire.shape[1] * block) // (block + 8)
+        head = wire.shape[1] - width
+        # A fresh copy: its row stride is the head's, as viewing bytes as floats needs.
+        scales = wire[:, :head].clone(memory_format=torch.contiguous_format)
+        scales = scales.view(torch.float32).view(-1, 2)
+        codes = wire[:, head:].reshape(-1, block)
+        values = dequantize(codes, scales, out=None if out is None else out.view(-1, block))
+        return values.view(rows, width)
 
 
 def _all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
