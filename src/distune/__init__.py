@@ -13,11 +13,16 @@ from distune.space import Hyperparameters
 
 if TYPE_CHECKING:
     from distune.worker_runtime import DistributedDataParallel
+    from distune.worker_runtime.prepare import Prepared, prepare
 
 __version__ = metadata.version("distune")
-__all__ = ["DistributedDataParallel", "Hyperparameters", "__version__"]
+__all__ = ["DistributedDataParallel", "Hyperparameters", "Prepared", "__version__", "prepare"]
 
-_LAZY = {"DistributedDataParallel": "distune.worker_runtime"}
+_LAZY = {
+    "DistributedDataParallel": "distune.worker_runtime",
+    "prepare": "distune.worker_runtime.prepare",
+    "Prepared": "distune.worker_runtime.prepare",
+}
 
 
 def __getattr__(name: str) -> Any:
