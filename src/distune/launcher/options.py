@@ -14,7 +14,7 @@ import contextlib
 import math
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
@@ -28,6 +28,8 @@ from torch.distributed.run import (
 
 from distune.launcher.config_file import ConfigError, load_config
 from distune.tuning_service.config import TuningConfig
+from distune.tuning_service.trials.trial_config import CONFIG_KEYS, TrialConfigError, TrialPins
+from distune.tuning_service.trials.trial_result import METRICS
 
 
 class OptionError(ValueError):
@@ -56,6 +58,16 @@ class AutotuneOptions:
     hierarchical_reduce: bool | None = None
     autotune_best_file: Path | None = None
     autotune_quiet: bool = False
+    # Level 2 (trials); the level-2 config keys are the pins.
+    autotune_mode: str | None = None
+    autotune_results_dir: Path | None = None
+    autotune_device_memory: int | None = None
+    autotune_trial_timeout: float | None = None
+    autotune_max_trials: int | None = None
+    autotune_metric: str | None = None
+    autotune_allow_batch_change: bool = False
+    autotune_resume: Path | None = None
+    trial_pins: TrialPins = field(default_factory=TrialPins)
 
     @property
     def writes_log(self) -> bool:
@@ -79,7 +91,7 @@ def _whole_number(low: int, high: int | None, allowed: str) -> Callable[[Any], i
     return check
 
 
-_level = _whole_number(0, 1, "0 or 1")
+_level = _whole_number(0, 2, "0, 1 or 2")
 _positive_int = _whole_number(1, None, "an integer of at least 1")
 _bytes = _whole_number(1, None, "a positive whole number of bytes")
 _port = _whole_number(0, 65535, "a port in [0, 65535] (0: a free one)")
@@ -142,6 +154,53 @@ def _output_path(value: Any) -> Path:
     return path
 
 
+_BYTE_UNITS = {"": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_BYTE_UNITS |= {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+
+
+def _memory_size(value: Any) -> int:
+    """Bytes, as a whole number or with a unit: ``512MiB``, ``2GiB``, ``1.5GB``."""
+    text = str(value).strip().upper().replace(" ", "") if not isinstance(value, bool) else ""
+    number = text.rstrip("KMGTIB")
+    unit = text[len(number) :]
+    size = math.nan
+    if unit in _BYTE_UNITS:
+        with contextlib.suppress(ValueError):
+            size = float(number) * _BYTE_UNITS[unit]
+    if not (math.isfinite(size) and size >= 1):
+        raise OptionError(
+            f"must be a number of bytes like 536870912, 512MiB or 2GiB, got {value!r}"
+        )
+    return int(size)
+
+
+def _choice(*allowed: str) -> Callable[[Any], str]:
+    def check(value: Any) -> str:
+        if value not in allowed:
+            raise OptionError(f"must be one of {', '.join(allowed)}, got {value!r}")
+        return str(value)
+
+    return check
+
+
+def _directory(value: Any) -> Path:
+    if not isinstance(value, str | Path) or not str(value).strip():
+        raise OptionError(f"must be a directory path, got {value!r}")
+    path = Path(value).expanduser()
+    if path.exists() and not path.is_dir():
+        raise OptionError(f"{str(path)!r} exists and is not a directory")
+    if not path.exists() and not path.parent.is_dir():
+        raise OptionError(f"directory {str(path.parent)!r} does not exist")
+    return path
+
+
+def _existing_directory(value: Any) -> Path:
+    path = _directory(value)
+    if not (path / "trials.jsonl").is_file():
+        raise OptionError(f"{str(path)!r} holds no trials.jsonl of an earlier level-2 run")
+    return path
+
+
 # dest -> validator(value), shared by the command line and config files.
 _VALIDATORS: Mapping[str, Callable[[Any], Any]] = {
     "autotune_level": _level,
@@ -158,6 +217,14 @@ _VALIDATORS: Mapping[str, Callable[[Any], Any]] = {
     "hierarchical_reduce": _bool,
     "autotune_best_file": _output_path,
     "autotune_quiet": _bool,
+    "autotune_mode": _choice("tune", "run"),
+    "autotune_results_dir": _directory,
+    "autotune_device_memory": _memory_size,
+    "autotune_trial_timeout": _positive_seconds,
+    "autotune_max_trials": _whole_number(2, None, "an integer of at least 2"),
+    "autotune_metric": _choice(*METRICS),
+    "autotune_allow_batch_change": _bool,
+    "autotune_resume": _existing_directory,
 }
 
 #: Keys a config file may hold besides the flags: the informational part of a best-file.
@@ -204,7 +271,12 @@ def build_parser() -> LauncherArgumentParser:
             help=help_text,
         )
 
-    add("autotune_level", "0: no tuning, no service (default); 1: tune online", "{0,1}")
+    add(
+        "autotune_level",
+        "0: no tuning, no service (default); 1: tune online; 2: trials of micro-batch, "
+        "sharding and checkpointing, then level 1",
+        "{0,1,2}",
+    )
     tuning = TuningConfig()  # the service's defaults, shown here; the service applies them
     add("autotune_max_samples", f"at most N sampled groups (default {tuning.max_samples})", "N")
     add(
@@ -273,6 +345,22 @@ def build_parser() -> LauncherArgumentParser:
         default=None,
         help="no progress lines while tuning (the end-of-run summary is still printed)",
     )
+    add("autotune_mode", "level 2: tune (trials only) or run (trials, then train; default)", "MODE")
+    add("autotune_results_dir", "level 2: where trials.jsonl and the rest go", "DIR")
+    add("autotune_device_memory", "cap each rank's tensor memory (512MiB, 2GiB)", "BYTES")
+    add("autotune_trial_timeout", "level 2: a trial with no finished step that long stops", "S")
+    add("autotune_max_trials", "level 2: at most N trials (default 20)", "N")
+    add("autotune_metric", "level 2: throughput (maximised, default) or latency", "METRIC")
+    group.add_argument(
+        "--autotune_allow_batch_change",
+        "--autotune-allow-batch-change",
+        dest="autotune_allow_batch_change",
+        action="store_const",
+        const=True,
+        default=None,
+        help="level 2: the global batch may change (it is fixed otherwise)",
+    )
+    add("autotune_resume", "level 2: skip trials already measured in DIR", "DIR")
     return parser
 
 
@@ -284,23 +372,27 @@ def options_from_args(args: argparse.Namespace) -> AutotuneOptions:
             config = load_config(Path(args.autotune_config))
         except ConfigError as error:
             raise OptionError(f"--autotune_config: {error}") from None
-        known = set(_VALIDATORS) | INFORMATIONAL_CONFIG_KEYS
-        unknown = sorted(set(config) - known)
+        settings = set(_VALIDATORS) | CONFIG_KEYS
+        unknown = sorted(set(config) - settings - INFORMATIONAL_CONFIG_KEYS)
         if unknown:
             raise OptionError(
                 f"--autotune_config: unknown key(s) {', '.join(map(repr, unknown))} in "
-                f"{args.autotune_config}; allowed: {', '.join(sorted(_VALIDATORS))}"
+                f"{args.autotune_config}; allowed: {', '.join(sorted(settings))}"
             )
+        try:
+            values["trial_pins"] = TrialPins.from_config(config)
+        except TrialConfigError as error:
+            raise OptionError(f"--autotune_config: {error}") from None
         for dest, value in config.items():
             if dest in _VALIDATORS:
                 try:
                     values[dest] = _VALIDATORS[dest](value)
                 except OptionError as error:
                     raise OptionError(f"--autotune_config: {dest} {error}") from None
-    for field in fields(AutotuneOptions):
-        given = getattr(args, field.name)
+    for option in fields(AutotuneOptions):
+        given = getattr(args, option.name, None)
         if given is not None:
-            values[field.name] = given
+            values[option.name] = given
     return AutotuneOptions(**values)
 
 

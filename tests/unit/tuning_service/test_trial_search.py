@@ -269,3 +269,22 @@ def test_latency_is_minimised() -> None:
     most_samples = max(ok, key=lambda r: r.throughput)  # type: ignore[arg-type, return-value]
     assert search.best() == fastest_step.config == TrialConfig(1, 8, 0, False)
     assert most_samples.config != fastest_step.config
+
+
+def test_a_profile_below_the_largest_fitting_micro_batch_does_not_stop_its_family() -> None:
+    search = new_search(None)
+    profile = BASELINE
+    search.record(
+        TrialResult(
+            0,
+            profile,
+            WORLD,
+            OK,
+            purpose="profile",
+            throughput=speed(profile),
+            step_seconds=32 / speed(profile),
+            peak_memory_bytes=true_peak(profile),
+        )
+    )
+    proposal = search.next_trial()
+    assert proposal is not None and proposal.config == TrialConfig(16, 1, 0, False)

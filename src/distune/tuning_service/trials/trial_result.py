@@ -39,6 +39,7 @@ class TrialResult:
     log_path: str | None = None
     error: str | None = None
     batch_change: str | None = None
+    facts: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:
@@ -68,6 +69,7 @@ class TrialResult:
             "log_path": self.log_path,
             "error": self.error,
             "batch_change": self.batch_change,
+            "facts": self.facts,
         }
 
     @classmethod
@@ -91,4 +93,5 @@ class TrialResult:
             log_path=data.get("log_path"),
             error=data.get("error"),
             batch_change=data.get("batch_change"),
+            facts=data.get("facts"),
         )

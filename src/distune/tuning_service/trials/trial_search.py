@@ -147,30 +147,37 @@ class TrialSearch:
             without = [m for m, r in self._tried(stage, False).items() if r.outcome == OK]
             if fitting and max(fitting) <= max(without, default=0):
                 return None
-        ok = sorted(m for m, r in tried.items() if r.outcome == OK)
+        ok = [m for m, r in tried.items() if r.outcome == OK]
+        above = [m for m in fitting if m > max(ok, default=0) and m not in tried]
+        if above:
+            return self._propose(stage, checkpointing, max(above))
         if not ok:
-            untried = [m for m in fitting if m not in tried]
-            return self._propose(stage, checkpointing, max(untried)) if untried else None
-        # Descending from the largest ok micro-batch while it pays: keep going only while each
-        # step down was faster than the one before it, and start only from a near-full one.
-        descent = [m for m in reversed(ok)]
-        current = descent[-1]
-        if len(descent) == 1:
-            peak = tried[current].peak_memory_bytes
-            near_full = (
-                self.memory_cap is not None
-                and peak is not None
-                and peak >= NEAR_FULL * self.memory_cap
-            )
-            # Latency (seconds a step) may fall with the micro-batch when the batch is free.
-            if not near_full and self.metric != LATENCY:
+            return None
+        # Step down from the largest ok micro-batch: only from a near-full one (or for
+        # latency), and on only while each step down was faster than the one above it.
+        chain = [max(ok)]
+        while True:
+            current = tried[chain[-1]]
+            if len(chain) == 1:
+                if not self._near_full(current) and self.metric != LATENCY:
+                    return None
+            elif current.value(self.metric) <= tried[chain[-2]].value(self.metric):
                 return None
-        else:
-            previous = descent[-2]
-            if tried[current].value(self.metric) <= tried[previous].value(self.metric):
+            lower = [m for m in fitting if m < chain[-1]]
+            if not lower:
                 return None
-        lower = [m for m in fitting if m < current and m not in tried]
-        return self._propose(stage, checkpointing, max(lower)) if lower else None
+            below = max(lower)
+            if below not in tried:
+                return self._propose(stage, checkpointing, below)
+            if tried[below].outcome != OK:
+                return None
+            chain.append(below)
+
+    def _near_full(self, result: TrialResult) -> bool:
+        peak = result.peak_memory_bytes
+        return (
+            self.memory_cap is not None and peak is not None and peak >= NEAR_FULL * self.memory_cap
+        )
 
     def _propose(self, stage: int, checkpointing: bool, micro_batch: int) -> Proposal:
         config = self.space.config(stage, checkpointing, micro_batch)
