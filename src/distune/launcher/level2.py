@@ -142,6 +142,7 @@ def _facts(measurements: dict[str, Any], config: TrialConfig) -> ModelFacts:
         profile=config,
         profile_peak_bytes=int(measurements["peak_memory_bytes"]),
         world_size=int(measurements["world_size"]),
+        checkpointed_bytes_per_sample=measurements.get("checkpointed_activation_bytes_per_sample"),
     )
 
 

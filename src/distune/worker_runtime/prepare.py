@@ -183,5 +183,5 @@ def prepare(
             device=device,
             describe=describe,
         )
-        measurement.attach(applied.model, applied.optimizer)
+        measurement.attach(applied.model, applied.optimizer, block_classes)
     return prepared

@@ -102,21 +102,50 @@ class TrialMeasurement:
         self._durations: list[float] = []
         self._forward_start = 0
         self._activation_bytes = 0
+        # Per forward: what the repeated blocks kept, their inputs, the largest block's share.
+        self._block_start: dict[int, int] = {}
+        self._blocks_kept = self._blocks_input = self._block_max = 0
+        self._checkpointed_bytes = 0
 
-    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Time ``optimizer``'s steps and watch ``model``'s forwards (activation bytes)."""
+    def attach(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        blocks: tuple[type[nn.Module], ...] = (),
+    ) -> None:
+        """Time ``optimizer``'s steps and watch ``model``'s forwards (activation bytes), and
+        its repeated ``blocks``' (what checkpointing them would keep instead)."""
         optimizer.register_step_post_hook(self._after_step)
         model.register_forward_pre_hook(self._before_forward)
         model.register_forward_hook(self._after_forward)
+        for module in model.modules():
+            if isinstance(module, blocks):
+                module.register_forward_pre_hook(self._before_block)
+                module.register_forward_hook(self._after_block)
         (self.trial_dir / f"pid.{self.rank}").write_text(str(os.getpid()), encoding="utf-8")
 
     def _before_forward(self, *_: Any) -> None:
         self._forward_start = self.meter.live_bytes()
+        self._blocks_kept = self._blocks_input = self._block_max = 0
 
     def _after_forward(self, *_: Any) -> None:
         # What the forward left alive is what autograd saved for backward: the activations.
         kept = self.meter.live_bytes() - self._forward_start
         self._activation_bytes = max(self._activation_bytes, kept)
+        # Checkpointed blocks keep only their inputs, and recompute one block at a time.
+        checkpointed = kept - self._blocks_kept + self._blocks_input + self._block_max
+        self._checkpointed_bytes = max(self._checkpointed_bytes, checkpointed)
+
+    def _before_block(self, module: nn.Module, inputs: tuple[Any, ...]) -> None:
+        self._block_start[id(module)] = self.meter.live_bytes()
+
+    def _after_block(self, module: nn.Module, inputs: tuple[Any, ...], _output: Any) -> None:
+        kept = self.meter.live_bytes() - self._block_start.pop(id(module), 0)
+        self._blocks_kept += kept
+        self._block_max = max(self._block_max, kept)
+        self._blocks_input += sum(
+            t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor)
+        )
 
     def _after_step(self, *_: Any) -> None:
         now = time.perf_counter()
@@ -139,7 +168,9 @@ class TrialMeasurement:
     def _finish(self) -> None:
         local_peak = self.meter.peak_bytes()
         durations = self._max_over_ranks(self._durations)
-        peak, activation = self._max_over_ranks([float(local_peak), float(self._activation_bytes)])
+        peak, activation, checkpointed = self._max_over_ranks(
+            [float(local_peak), float(self._activation_bytes), float(self._checkpointed_bytes)]
+        )
         step = statistics.median(durations)
         rates = sorted(self.samples_per_step / d for d in durations)
         quartiles = statistics.quantiles(rates, n=4) if len(rates) >= 2 else [rates[0]] * 3
@@ -156,6 +187,7 @@ class TrialMeasurement:
                 "step_seconds_all": durations,
                 "peak_memory_bytes": int(peak),
                 "activation_bytes_per_sample": int(activation / self.micro_batch),
+                "checkpointed_activation_bytes_per_sample": int(checkpointed / self.micro_batch),
                 **self._describe(),
             }
             write_json(self.trial_dir / RESULT_FILE, result)

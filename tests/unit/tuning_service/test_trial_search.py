@@ -7,6 +7,7 @@ each test can say what the right next trial is.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -288,3 +289,10 @@ def test_a_profile_below_the_largest_fitting_micro_batch_does_not_stop_its_famil
     )
     proposal = search.next_trial()
     assert proposal is not None and proposal.config == TrialConfig(16, 1, 0, False)
+
+
+def test_the_profiles_checkpointed_estimate_is_the_prior_of_checkpointed_families() -> None:
+    measured = replace(facts(), checkpointed_bytes_per_sample=3 * MiB)
+    model = MemoryModel(measured)
+    on = TrialConfig(16, 1, 0, True)
+    assert model.predict(on) == round(measured.state_bytes(0) + measured.residual_bytes + 48 * MiB)

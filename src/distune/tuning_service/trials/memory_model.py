@@ -17,8 +17,10 @@ buckets, allocator slack) is the profile's residual, added to every prediction.
 
 Each measured trial then corrects its own (stage, checkpointing) family: one measurement fixes
 the family's offset, two or more fit its line in the micro-batch. Checkpointing's activation
-bytes are unknown until a checkpointed trial ran; until then the uncheckpointed ``A`` bounds them
-from above, so a prediction never errs on the side of launching a trial that cannot fit.
+bytes come from the profile too: hooks on the repeated blocks measure what each kept and the
+bytes of its input, so a checkpointed forward keeps ``A`` minus what the blocks kept plus their
+inputs plus one block (recomputed in backward). Without repeated blocks the uncheckpointed
+``A`` bounds them from above.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class ModelFacts:
     profile: TrialConfig
     profile_peak_bytes: int
     world_size: int
+    #: Checkpointed blocks keep their inputs only (and recompute one block at a time); the
+    #: profile measures what that leaves per sample. None: unknown, bounded by the above.
+    checkpointed_bytes_per_sample: int | None = None
 
     def state_bytes(self, stage: int) -> float:
         """Parameters, gradients and optimizer state per rank under ZeRO ``stage``."""
@@ -95,6 +100,9 @@ class MemoryModel:
             for m, peak in family.items()
         ]
         if not slopes:
+            measured = self.facts.checkpointed_bytes_per_sample
+            if measured is not None:
+                return float(min(measured, self.facts.activation_bytes_per_sample))
             return float(self.facts.activation_bytes_per_sample)
         return min(max(max(slopes), 0.0), float(self.facts.activation_bytes_per_sample))
 
