@@ -61,6 +61,14 @@ def test_tune_then_run_prunes_after_an_oom_in_one_rank_and_trains_with_the_winne
     chosen = f"config: ddp {micro} x {accumulation}"
     assert run.output.splitlines().count(chosen) >= 1, run.output
     assert run.leftovers() == []
+    # Resuming from these results measures nothing again and chooses the same.
+    again = tmp_path / "again"
+    argv = level2(again, "--autotune_max_trials", "4", "--autotune_resume", str(results))
+    resumed = launch([*argv, "--autotune_mode", "tune", WORKER, "--oom-rank", "1", "--oom-from-micro", "8"])
+    assert resumed.wait(timeout=120) == 0, resumed.output
+    assert resumed.output.count("(resumed)") == 4
+    assert not (again / "trials").exists()  # no trial ran
+    assert json.loads((again / "best_config.json").read_text()) == best
 
 
 def test_a_trial_that_raises_is_a_crash_with_its_traceback_tail(launch, tmp_path):

@@ -171,6 +171,9 @@ class Level2:
             self.results_dir / "trials",
         )
         self.earlier = self._earlier_results()
+        if options.autotune_resume == self.results_dir:
+            # Resuming in place: the reused trials are written again as they are reused.
+            (self.results_dir / "trials.jsonl").unlink()
         self.started = time.monotonic()
 
     def _earlier_results(self) -> list[TrialResult]:
@@ -188,14 +191,16 @@ class Level2:
     ) -> TrialResult:
         """Run (or, resuming, reuse) one trial and record it."""
         for earlier in self.earlier:
-            if config is not None and earlier.config == config and earlier.purpose == purpose:
+            # The profile is the script's own configuration, whatever it turned out to be.
+            same = config is None or earlier.config == config
+            if same and earlier.purpose == purpose:
                 self.earlier.remove(earlier)
                 result = replace(earlier, trial=index)
-                self._say(f"trial {index}: {config.describe()}: {earlier.outcome} (resumed)")
+                self._say(f"trial {index}: {result.config.describe()}: {result.outcome} (resumed)")
                 self.report.add(result)
                 return result
         what = config.describe() if config is not None else "the script's own configuration"
-        predicted_text = f", predicted peak {predicted / 2**20:.0f} MiB" if predicted else ""
+        predicted_text = f", predicted peak {predicted / 2**20:.1f} MiB" if predicted else ""
         self._say(f"trial {index}/{self.max_trials} ({purpose}): {what}{predicted_text}")
         settings = settings_for(config, self.pins, self.options.autotune_device_memory)
         script_args = rewrite_script_args(

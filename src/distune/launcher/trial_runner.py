@@ -152,7 +152,11 @@ class TrialRunner:
     ) -> TrialRun:
         """Run trial ``index`` to its end (or its time-out) and classify it."""
         trial_dir = self.root / f"trial-{index:03d}"
-        trial_dir.mkdir(parents=True, exist_ok=False)
+        attempt = 1
+        while trial_dir.exists():  # resuming in the same directory: keep the earlier logs
+            attempt += 1
+            trial_dir = self.root / f"trial-{index:03d}-{attempt}"
+        trial_dir.mkdir(parents=True)
         spec_path = trial_dir / "torchrun.json"
         spec_path.write_text(json.dumps(self._spec(script_args, master_port)), encoding="utf-8")
         settings = TrialSettings(**{**vars(settings), "trial_dir": trial_dir})

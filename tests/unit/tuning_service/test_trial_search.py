@@ -6,6 +6,7 @@ each test can say what the right next trial is.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -296,3 +297,21 @@ def test_the_profiles_checkpointed_estimate_is_the_prior_of_checkpointed_familie
     model = MemoryModel(measured)
     on = TrialConfig(16, 1, 0, True)
     assert model.predict(on) == round(measured.state_bytes(0) + measured.residual_bytes + 48 * MiB)
+
+
+def test_a_trial_record_round_trips_through_trials_jsonl() -> None:
+    result = TrialResult(
+        3,
+        TrialConfig(4, 4, 2, True),
+        WORLD,
+        OK,
+        purpose="remeasure",
+        throughput=12.5,
+        throughput_spread=0.1,
+        step_seconds=2.56,
+        peak_memory_bytes=10,
+        predicted_memory_bytes=11,
+        duration=1.5,
+        log_path="/r/log.txt",
+    )
+    assert TrialResult.from_json(json.loads(json.dumps(result.to_json()))) == result
