@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from distune.errors import DistuneError
+
 MICRO_BATCH = "DISTUNE_MICRO_BATCH"
 ACCUMULATION = "DISTUNE_ACCUMULATION"
 ZERO_STAGE = "DISTUNE_ZERO_STAGE"
@@ -35,7 +37,7 @@ VARIABLES = {
 }
 
 
-class TrialSettingsError(ValueError):
+class TrialSettingsError(DistuneError, ValueError):
     """A level-2 ``DISTUNE_*`` variable holds a value it may not; the message names it."""
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from tests.e2e.conftest import SCRIPTS
 
-from distune.launcher.options import parse
+from distune.launcher.options import parse, trial_pins
 
 pytestmark = pytest.mark.slow
 WORKER = str(SCRIPTS / "level2_worker.py")
@@ -49,8 +49,8 @@ def test_tune_then_run_prunes_after_an_oom_in_one_rank_and_trains_with_the_winne
         if trial["purpose"] != "profile":
             assert trial["predicted_memory_bytes"] > 0
     best = json.loads((results / "best_config.json").read_text())
-    _, options = parse(["--autotune_config", str(results / "best_config.json"), "t.py"])
-    assert options.trial_pins.micro_batch == best["train_micro_batch_size_per_gpu"]
+    args, _ = parse(["--autotune_config", str(results / "best_config.json"), "t.py"])
+    assert trial_pins(args).micro_batch == best["train_micro_batch_size_per_gpu"]
     command = (results / "best_command.txt").read_text()
     assert "--autotune_level 0 --autotune_config" in command and "--autotune_device_memory" not in command
     summary = (results / "summary.md").read_text()

@@ -149,7 +149,13 @@ def _facts(measurements: dict[str, Any], config: TrialConfig) -> ModelFacts:
 class Level2:
     """One level-2 tuning of one script."""
 
-    def __init__(self, args: argparse.Namespace, options: AutotuneOptions, argv: list[str]):
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        options: AutotuneOptions,
+        pins: TrialPins,
+        argv: list[str],
+    ) -> None:
         _, max_nodes = parse_min_max_nnodes(args.nnodes)
         if max_nodes > 1:
             raise OptionError(
@@ -159,7 +165,7 @@ class Level2:
         self.args = args
         self.options = options
         self.argv = argv
-        self.pins = options.trial_pins
+        self.pins = pins
         self.world_size = determine_local_world_size(args.nproc_per_node)
         self.metric = options.autotune_metric or THROUGHPUT
         self.max_trials = options.autotune_max_trials or DEFAULT_MAX_TRIALS
@@ -314,10 +320,11 @@ class Level2:
         return Chosen(best, script_args, settings)
 
 
-def pinned_run(args: argparse.Namespace, options: AutotuneOptions) -> argparse.Namespace:
+def pinned_run(
+    args: argparse.Namespace, options: AutotuneOptions, pins: TrialPins
+) -> argparse.Namespace:
     """Levels 0 and 1 with level-2 keys in the config: the ranks get the pinned knobs (so a
     best_config.json runs the chosen configuration) and mapped flags are rewritten."""
-    pins = options.trial_pins
     settings = settings_for(None, pins, options.autotune_device_memory)
     os.environ.update(settings.to_env())
     script_args = rewrite_script_args(

@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from distune.launcher.level2 import Level2, pinned_run
-from distune.launcher.options import AutotuneOptions, OptionError, parse
+from distune.launcher.options import AutotuneOptions, OptionError, parse, trial_pins
 from distune.launcher.plan import LaunchPlan, plan_launch, restart_caveat
 from distune.launcher.progress import ProgressMonitor
 from distune.launcher.service_process import ServiceStartError, TuningServiceProcess
@@ -49,7 +49,7 @@ def _level2(argv: list[str], args: Any, options: AutotuneOptions) -> tuple[Any, 
     stop_signals = StopSignals()
     stop_signals.install()
     try:
-        level2 = Level2(args, options, argv)
+        level2 = Level2(args, options, trial_pins(args), argv)
         search = level2.tune()
         chosen = level2.chosen(search) if search is not None else None
     except OptionError as error:
@@ -80,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
             return outcome
         args, options = outcome
     else:
-        args = pinned_run(args, options)
+        try:
+            args = pinned_run(args, options, trial_pins(args))
+        except OptionError as error:
+            print(f"distune-run: error: {error}", file=sys.stderr)
+            return 2
     try:
         plan = plan_launch(args, options)
     except OptionError as error:

@@ -13,10 +13,10 @@ import argparse
 import contextlib
 import math
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 from urllib.parse import urlsplit
 
 from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
@@ -26,85 +26,20 @@ from torch.distributed.run import (
     parse_min_max_nnodes,
 )
 
-from distune.launcher.config_file import ConfigError, load_config
-from distune.tuning_service.config import TuningConfig
+from distune.checks import InvalidValue, positive_seconds, whole_number_text
+from distune.errors import ConfigError
+from distune.launcher.config_file import load_config
+from distune.tuning_service.config import TuningConfig, declared
 from distune.tuning_service.trials.trial_config import CONFIG_KEYS, TrialConfigError, TrialPins
 from distune.tuning_service.trials.trial_result import METRICS
 
 
-class OptionError(ValueError):
+class OptionError(ConfigError):
     """An autotune flag or config key holds a value it may not; the message names it."""
 
 
-@dataclass(frozen=True)
-class AutotuneOptions:
-    """The autotune settings of one ``distune-run``, validated.
-
-    ``None`` means "not given": the tuning service's own default applies (or, for the fixed
-    knobs, the knob is tuned).
-    """
-
-    autotune_level: int = 0
-    autotune_max_samples: int | None = None
-    autotune_sampling_confidence_time: float | None = None
-    autotune_warmup_time: float | None = None
-    is_output_autotune_log: bool = False
-    autotune_log_file: Path | None = None
-    autotune_service_port: int | None = None
-    autotune_service_addr: str | None = None
-    autotune_service_bind: str | None = None
-    default_bucket_size: int | None = None
-    bucket_size: int | None = None
-    hierarchical_reduce: bool | None = None
-    autotune_best_file: Path | None = None
-    autotune_quiet: bool = False
-    # Level 2 (trials); the level-2 config keys are the pins.
-    autotune_mode: str | None = None
-    autotune_results_dir: Path | None = None
-    autotune_device_memory: int | None = None
-    autotune_trial_timeout: float | None = None
-    autotune_max_trials: int | None = None
-    autotune_metric: str | None = None
-    autotune_allow_batch_change: bool = False
-    autotune_resume: Path | None = None
-    trial_pins: TrialPins = field(default_factory=TrialPins)
-
-    @property
-    def writes_log(self) -> bool:
-        """Whether a CSV log is written (``--autotune_log_file`` implies it)."""
-        return self.is_output_autotune_log or self.autotune_log_file is not None
-
-
 def _whole_number(low: int, high: int | None, allowed: str) -> Callable[[Any], int]:
-    """A validator of whole numbers in [low, high] (``high`` None: no upper bound)."""
-
-    def check(value: Any) -> int:
-        number = None
-        # YAML's `yes` and JSON's `true` parse to bool, which Python also treats as an int.
-        if not isinstance(value, bool):
-            with contextlib.suppress(ValueError):
-                number = int(str(value).strip())
-        if number is None or number < low or (high is not None and number > high):
-            raise OptionError(f"must be {allowed}, got {value!r}")
-        return number
-
-    return check
-
-
-_level = _whole_number(0, 2, "0, 1 or 2")
-_positive_int = _whole_number(1, None, "an integer of at least 1")
-_bytes = _whole_number(1, None, "a positive whole number of bytes")
-_port = _whole_number(0, 65535, "a port in [0, 65535] (0: a free one)")
-
-
-def _positive_seconds(value: Any) -> float:
-    seconds = math.nan
-    if not isinstance(value, bool):
-        with contextlib.suppress(ValueError):
-            seconds = float(str(value).strip())
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise OptionError(f"must be a positive number of seconds, got {value!r}")
-    return seconds
+    return lambda value: whole_number_text(value, low, high, allowed)
 
 
 def _url(value: Any) -> str:
@@ -120,7 +55,7 @@ def _url(value: Any) -> str:
     except ValueError:  # e.g. a port that is not a number
         valid = False
     if not valid:
-        raise OptionError(f"must be a URL like http://HOST:PORT, got {value!r}")
+        raise InvalidValue(f"must be a URL like http://HOST:PORT, got {value!r}")
     return text
 
 
@@ -128,7 +63,7 @@ def _listen_address(value: Any) -> str:
     text = value.strip().removeprefix("[").removesuffix("]") if isinstance(value, str) else ""
     # One colon is HOST:PORT (an IPv6 address has several); the port is another flag's.
     if not text or text.count(":") == 1 or any(c.isspace() or c in "/@?#[]" for c in text):
-        raise OptionError(
+        raise InvalidValue(
             f"must be an address to listen on, like 0.0.0.0 or 10.0.0.5, got {value!r}"
         )
     return text
@@ -136,39 +71,92 @@ def _listen_address(value: Any) -> str:
 
 def _bool(value: Any) -> bool:
     if not isinstance(value, bool):
-        raise OptionError(f"must be true or false, got {value!r}")
+        raise InvalidValue(f"must be true or false, got {value!r}")
     return value
 
 
 def _output_path(value: Any) -> Path:
     """A file to create: its directory must exist, and it must not be a symlink."""
     if not isinstance(value, str | Path) or not str(value).strip():
-        raise OptionError(f"must be a file path, got {value!r}")
+        raise InvalidValue(f"must be a file path, got {value!r}")
     path = Path(value).expanduser()
     if not path.parent.is_dir():
-        raise OptionError(f"directory {str(path.parent)!r} does not exist")
+        raise InvalidValue(f"directory {str(path.parent)!r} does not exist")
     if path.is_symlink():
-        raise OptionError(f"{str(path)!r} is a symlink, which is refused")
+        raise InvalidValue(f"{str(path)!r} is a symlink, which is refused")
     if path.is_dir():
-        raise OptionError(f"{str(path)!r} is a directory, not a file")
+        raise InvalidValue(f"{str(path)!r} is a directory, not a file")
     return path
 
 
-_BYTE_UNITS = {"": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_BYTE_UNITS |= {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+#: How a flag takes its value: ``value`` (``--flag V``), ``switch`` (``--flag`` sets True) or
+#: ``on_off`` (``--flag`` and ``--no-flag``).
+FlagKind = Literal["value", "switch", "on_off"]
+
+
+@dataclass(frozen=True)
+class Flag:
+    """The declaration of one ``distune-run`` flag, held in its AutotuneOptions field.
+
+    The flag (both spellings), its config-file key (the field's name), its ``--help`` line and
+    its README row all come from here. ``parse`` takes the command line's text or the config
+    file's value and returns the value or raises :class:`~distune.checks.InvalidValue`.
+    ``service`` names the tuning service's flag that receives the value (a
+    :class:`~distune.tuning_service.config.TuningConfig` field's name, whose declaration then
+    supplies the help, the default and the range), or None for a launcher-only flag.
+    """
+
+    parse: Callable[[Any], Any]
+    help: str | None = None
+    metavar: str | None = None
+    kind: FlagKind = "value"
+    service: str | None = None
+
+    def help_text(self) -> str:
+        """The flag's help: its own, or the tuning setting's with the service's default."""
+        if self.help is not None:
+            return self.help
+        assert self.service is not None, "a flag without help must name its tuning setting"
+        setting = _TUNING_SETTINGS[self.service]
+        default = getattr(TuningConfig(), self.service)
+        shown = f"{default:g}" if isinstance(default, float) else str(default)
+        return f"{setting.help} (default {shown})"
+
+
+def flag_field(
+    parse: Callable[[Any], Any],
+    help: str | None = None,
+    metavar: str | None = None,
+    *,
+    kind: FlagKind = "value",
+    service: str | None = None,
+    default: Any = None,
+) -> Any:
+    """An AutotuneOptions field declared as a :class:`Flag`."""
+    return field(default=default, metadata={"flag": Flag(parse, help, metavar, kind, service)})
+
+
+_TUNING_SETTINGS = {item.name: setting for item, setting in declared(TuningConfig)}
+_level = _whole_number(0, 2, "0, 1 or 2")
+_positive_int = _whole_number(1, None, "an integer of at least 1")
+_bytes = _whole_number(1, None, "a positive whole number of bytes")
+_port = _whole_number(0, 65535, "a port in [0, 65535] (0: a free one)")
+
+
+_BYTE_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_BYTE_UNITS |= {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 
 
 def _memory_size(value: Any) -> int:
     """Bytes, as a whole number or with a unit: ``512MiB``, ``2GiB``, ``1.5GB``."""
-    text = str(value).strip().upper().replace(" ", "") if not isinstance(value, bool) else ""
+    text = "" if isinstance(value, bool) else str(value).strip().upper().replace(" ", "")
     number = text.rstrip("KMGTIB")
-    unit = text[len(number) :]
     size = math.nan
-    if unit in _BYTE_UNITS:
+    if text[len(number) :] in _BYTE_UNITS:
         with contextlib.suppress(ValueError):
-            size = float(number) * _BYTE_UNITS[unit]
+            size = float(number) * _BYTE_UNITS[text[len(number) :]]
     if not (math.isfinite(size) and size >= 1):
-        raise OptionError(
+        raise InvalidValue(
             f"must be a number of bytes like 536870912, 512MiB or 2GiB, got {value!r}"
         )
     return int(size)
@@ -177,58 +165,182 @@ def _memory_size(value: Any) -> int:
 def _choice(*allowed: str) -> Callable[[Any], str]:
     def check(value: Any) -> str:
         if value not in allowed:
-            raise OptionError(f"must be one of {', '.join(allowed)}, got {value!r}")
+            raise InvalidValue(f"must be one of {', '.join(allowed)}, got {value!r}")
         return str(value)
 
     return check
 
 
 def _directory(value: Any) -> Path:
+    """A directory to write in: existing, or to be created in an existing one."""
     if not isinstance(value, str | Path) or not str(value).strip():
-        raise OptionError(f"must be a directory path, got {value!r}")
+        raise InvalidValue(f"must be a directory path, got {value!r}")
     path = Path(value).expanduser()
     if path.exists() and not path.is_dir():
-        raise OptionError(f"{str(path)!r} exists and is not a directory")
+        raise InvalidValue(f"{str(path)!r} exists and is not a directory")
     if not path.exists() and not path.parent.is_dir():
-        raise OptionError(f"directory {str(path.parent)!r} does not exist")
+        raise InvalidValue(f"directory {str(path.parent)!r} does not exist")
     return path
 
 
-def _existing_directory(value: Any) -> Path:
+def _results_to_resume(value: Any) -> Path:
     path = _directory(value)
     if not (path / "trials.jsonl").is_file():
-        raise OptionError(f"{str(path)!r} holds no trials.jsonl of an earlier level-2 run")
+        raise InvalidValue(f"{str(path)!r} holds no trials.jsonl of an earlier level-2 run")
     return path
 
 
-# dest -> validator(value), shared by the command line and config files.
-_VALIDATORS: Mapping[str, Callable[[Any], Any]] = {
-    "autotune_level": _level,
-    "autotune_max_samples": _positive_int,
-    "autotune_sampling_confidence_time": _positive_seconds,
-    "autotune_warmup_time": _positive_seconds,
-    "is_output_autotune_log": _bool,
-    "autotune_log_file": _output_path,
-    "autotune_service_port": _port,
-    "autotune_service_addr": _url,
-    "autotune_service_bind": _listen_address,
-    "default_bucket_size": _bytes,
-    "bucket_size": _bytes,
-    "hierarchical_reduce": _bool,
-    "autotune_best_file": _output_path,
-    "autotune_quiet": _bool,
-    "autotune_mode": _choice("tune", "run"),
-    "autotune_results_dir": _directory,
-    "autotune_device_memory": _memory_size,
-    "autotune_trial_timeout": _positive_seconds,
-    "autotune_max_trials": _whole_number(2, None, "an integer of at least 2"),
-    "autotune_metric": _choice(*METRICS),
-    "autotune_allow_batch_change": _bool,
-    "autotune_resume": _existing_directory,
-}
+@dataclass(frozen=True)
+class AutotuneOptions:
+    """The autotune settings of one ``distune-run``, validated: the declaration of every
+    autotune flag (see :class:`Flag`).
 
+    ``None`` means "not given": the tuning service's own default applies (or, for the fixed
+    knobs, the knob is tuned).
+    """
+
+    autotune_level: int = flag_field(
+        _level,
+        "0 (default): no tuning, no service; 1: online tuning of the communication knobs; "
+        "2: trials of micro-batch, sharding and checkpointing, then level 1 (docs/level2.md)",
+        "{0,1,2}",
+        default=0,
+    )
+    autotune_max_samples: int | None = flag_field(_positive_int, metavar="N", service="max_samples")
+    autotune_sampling_confidence_time: float | None = flag_field(
+        positive_seconds, metavar="T", service="sampling_confidence_time"
+    )
+    autotune_warmup_time: float | None = flag_field(
+        positive_seconds, metavar="W", service="warmup_time"
+    )
+    is_output_autotune_log: bool = flag_field(
+        _bool,
+        "write the CSV log to /tmp/distune_autotune_<random>.log",
+        kind="switch",
+        default=False,
+    )
+    autotune_log_file: Path | None = flag_field(
+        _output_path, "write the CSV log to PATH (implies the log)", "PATH"
+    )
+    autotune_service_port: int | None = flag_field(
+        _port, "the service's port (default: a free one; multi-node: rendezvous port + 1)", "P"
+    )
+    autotune_service_addr: str | None = flag_field(
+        _url, "where workers reach the service (multi-node: node 0's)", "URL"
+    )
+    autotune_service_bind: str | None = flag_field(
+        _listen_address,
+        "where the service listens (default: its URL's address, never every interface; "
+        "0.0.0.0 or :: only when asked, e.g. behind NAT)",
+        "ADDR",
+    )
+    default_bucket_size: int | None = flag_field(
+        _bytes, metavar="BYTES", service="default_bucket_size"
+    )
+    bucket_size: int | None = flag_field(_bytes, "pin the bucket size: it is not tuned", "BYTES")
+    hierarchical_reduce: bool | None = flag_field(
+        _bool, "pin hierarchical allreduce on or off: it is not tuned", kind="on_off"
+    )
+    autotune_best_file: Path | None = flag_field(
+        _output_path,
+        "write the chosen group and its measured gain as JSON to PATH",
+        "PATH",
+        service="best_file",
+    )
+    autotune_quiet: bool = flag_field(
+        _bool,
+        "no progress lines while tuning (the end-of-run summary is still printed)",
+        kind="switch",
+        default=False,
+    )
+    # Level 2 (docs/level2.md); its config keys (DeepSpeed's names) are pins: trial_pins().
+    autotune_mode: str | None = flag_field(
+        _choice("tune", "run"),
+        "level 2: tune (trials only) or run (trials, then train with the best; default)",
+        "{tune,run}",
+    )
+    autotune_results_dir: Path | None = flag_field(
+        _directory,
+        "level 2: where trials.jsonl, summary.md, best_config.json and best_command.txt go "
+        "(default: a new private /tmp/distune_level2_<random>)",
+        "DIR",
+    )
+    autotune_device_memory: int | None = flag_field(
+        _memory_size,
+        "cap each rank's tensor memory (e.g. 512MiB, 2GiB): over it a step raises "
+        "torch.OutOfMemoryError, on CPU too",
+        "BYTES",
+    )
+    autotune_trial_timeout: float | None = flag_field(
+        positive_seconds,
+        "level 2: a trial with no finished step for S seconds is stopped as timeout "
+        "(default 120)",
+        "S",
+    )
+    autotune_max_trials: int | None = flag_field(
+        _whole_number(2, None, "an integer of at least 2"),
+        "level 2: at most N trials (default 20)",
+        "N",
+    )
+    autotune_metric: str | None = flag_field(
+        _choice(*METRICS),
+        "level 2: throughput (samples a second, maximised; default) or latency (seconds a "
+        "step, minimised)",
+        "{throughput,latency}",
+    )
+    autotune_allow_batch_change: bool = flag_field(
+        _bool,
+        "level 2: the global batch may change (it is held fixed otherwise)",
+        kind="switch",
+        default=False,
+    )
+    autotune_resume: Path | None = flag_field(
+        _results_to_resume, "level 2: reuse the trials already measured in DIR", "DIR"
+    )
+
+    @property
+    def writes_log(self) -> bool:
+        """Whether a CSV log is written (``--autotune_log_file`` implies it)."""
+        return self.is_output_autotune_log or self.autotune_log_file is not None
+
+    def service_values(self) -> dict[str, Any]:
+        """The given values the tuning service takes, by its flag names (``max_samples``)."""
+        values = {}
+        for dest, declaration in flags():
+            value = getattr(self, dest)
+            if declaration.service is not None and value is not None:
+                values[declaration.service] = value
+        return values
+
+
+def flags() -> Iterator[tuple[str, Flag]]:
+    """Every autotune flag's destination (its field and config key) and declaration, in order."""
+    for item in fields(AutotuneOptions):
+        yield item.name, item.metadata["flag"]
+
+
+#: The one flag that is not a setting: where the settings come from.
+CONFIG_FLAG = "autotune_config"
+CONFIG_HELP = "YAML or JSON with the same settings (keys are the flag names); flags win"
 #: Keys a config file may hold besides the flags: the informational part of a best-file.
 INFORMATIONAL_CONFIG_KEYS = frozenset({"autotune_result"})
+
+
+def flag_table() -> str:
+    """The README's table of the autotune flags, one row a flag, from their declarations."""
+    rows = ["| flag | meaning |", "|---|---|"]
+    for dest, declaration in flags():
+        spelled = f"--{dest}" if declaration.kind != "on_off" else f"--[no-]{dest}"
+        if declaration.metavar is not None:
+            spelled += f" {declaration.metavar}"
+        rows.append(f"| `{spelled}` | {_markdown(declaration.help_text())} |")
+    rows.append(f"| `--{CONFIG_FLAG} FILE` | {_markdown(CONFIG_HELP)} |")
+    return "\n".join(rows) + "\n"
+
+
+def _markdown(text: str) -> str:
+    # `<random>` would read as an HTML tag.
+    return text.replace("<", "\\<").replace(">", "\\>")
 
 
 class LauncherArgumentParser(argparse.ArgumentParser):
@@ -238,16 +350,39 @@ class LauncherArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _cli_type(dest: str) -> Callable[[str], Any]:
+def _cli_type(dest: str, parse: Callable[[Any], Any]) -> Callable[[str], Any]:
     def convert(text: str) -> Any:
         try:
-            return _VALIDATORS[dest](text)
-        except OptionError as error:
+            return parse(text)
+        except InvalidValue as error:
             # argparse prefixes the message with the flag's spellings.
             raise argparse.ArgumentTypeError(str(error)) from None
 
     convert.__name__ = dest  # argparse names the type in some messages
     return convert
+
+
+def _add_flag(group: argparse._ArgumentGroup, dest: str, declaration: Flag) -> None:
+    spellings = [f"--{dest}", f"--{dest.replace('_', '-')}"]
+    if declaration.kind == "value":
+        group.add_argument(
+            *spellings,
+            dest=dest,
+            type=_cli_type(dest, declaration.parse),
+            default=None,
+            metavar=declaration.metavar,
+            help=declaration.help_text(),
+        )
+        return
+    group.add_argument(
+        *spellings, dest=dest, action="store_const", const=True, default=None,
+        help=declaration.help_text(),
+    )  # fmt: skip
+    if declaration.kind == "on_off":
+        group.add_argument(
+            f"--no-{dest}", f"--no_{dest}", f"--no-{dest.replace('_', '-')}",
+            dest=dest, action="store_const", const=False, help=f"the opposite of --{dest}",
+        )  # fmt: skip
 
 
 def build_parser() -> LauncherArgumentParser:
@@ -259,141 +394,77 @@ def build_parser() -> LauncherArgumentParser:
         add_help=False,  # the parent's -h/--help is inherited
     )
     group = parser.add_argument_group("autotune", "distune's flags; the others are torchrun's")
-
-    def add(dest: str, help_text: str, metavar: str | None = None) -> None:
-        group.add_argument(
-            f"--{dest}",
-            f"--{dest.replace('_', '-')}",
-            dest=dest,
-            type=_cli_type(dest),
-            default=None,
-            metavar=metavar,
-            help=help_text,
-        )
-
-    add(
-        "autotune_level",
-        "0: no tuning, no service (default); 1: tune online; 2: trials of micro-batch, "
-        "sharding and checkpointing, then level 1",
-        "{0,1,2}",
-    )
-    tuning = TuningConfig()  # the service's defaults, shown here; the service applies them
-    add("autotune_max_samples", f"at most N sampled groups (default {tuning.max_samples})", "N")
-    add(
-        "autotune_sampling_confidence_time",
-        f"seconds each group is measured (default {tuning.sampling_confidence_time:g})",
-        "T",
-    )
-    add(
-        "autotune_warmup_time",
-        f"seconds ignored at the start (default {tuning.warmup_time:g})",
-        "W",
-    )
+    for dest, declaration in flags():
+        _add_flag(group, dest, declaration)
     group.add_argument(
-        "--is_output_autotune_log",
-        "--is-output-autotune-log",
-        dest="is_output_autotune_log",
-        action="store_const",
-        const=True,
-        default=None,
-        help="write the CSV log to /tmp/distune_autotune_<random>.log",
-    )
-    add("autotune_log_file", "write the CSV log to PATH (implies the log)", "PATH")
-    add("autotune_service_port", "port of the tuning service (default: a free one)", "P")
-    add("autotune_service_addr", "where workers reach the service (multi-node: node 0's)", "URL")
-    add(
-        "autotune_service_bind",
-        "where the service listens (default: the address of its URL, never every interface); "
-        "0.0.0.0 or :: for every interface, e.g. behind NAT",
-        "ADDR",
-    )
-    add("default_bucket_size", "the default group's bucket size (default 25 MiB)", "BYTES")
-    add("bucket_size", "fix the bucket size: it is not tuned", "BYTES")
-    group.add_argument(
-        "--hierarchical_reduce",
-        "--hierarchical-reduce",
-        dest="hierarchical_reduce",
-        action="store_const",
-        const=True,
-        default=None,
-        help="fix hierarchical allreduce on: it is not tuned",
-    )
-    group.add_argument(
-        "--no-hierarchical_reduce",
-        "--no_hierarchical_reduce",
-        "--no-hierarchical-reduce",
-        dest="hierarchical_reduce",
-        action="store_const",
-        const=False,
-        help="fix hierarchical allreduce off: it is not tuned",
-    )
-    group.add_argument(
-        "--autotune_config",
-        "--autotune-config",
-        dest="autotune_config",
+        f"--{CONFIG_FLAG}",
+        f"--{CONFIG_FLAG.replace('_', '-')}",
+        dest=CONFIG_FLAG,
         default=None,
         metavar="FILE",
-        help="YAML or JSON with the same settings (a best-file is one); flags win",
+        help=CONFIG_HELP,
     )
-    add("autotune_best_file", "write the chosen group and its gain as JSON here", "PATH")
-    group.add_argument(
-        "--autotune_quiet",
-        "--autotune-quiet",
-        dest="autotune_quiet",
-        action="store_const",
-        const=True,
-        default=None,
-        help="no progress lines while tuning (the end-of-run summary is still printed)",
-    )
-    add("autotune_mode", "level 2: tune (trials only) or run (trials, then train; default)", "MODE")
-    add("autotune_results_dir", "level 2: where trials.jsonl and the rest go", "DIR")
-    add("autotune_device_memory", "cap each rank's tensor memory (512MiB, 2GiB)", "BYTES")
-    add("autotune_trial_timeout", "level 2: a trial with no finished step that long stops", "S")
-    add("autotune_max_trials", "level 2: at most N trials (default 20)", "N")
-    add("autotune_metric", "level 2: throughput (maximised, default) or latency", "METRIC")
-    group.add_argument(
-        "--autotune_allow_batch_change",
-        "--autotune-allow-batch-change",
-        dest="autotune_allow_batch_change",
-        action="store_const",
-        const=True,
-        default=None,
-        help="level 2: the global batch may change (it is fixed otherwise)",
-    )
-    add("autotune_resume", "level 2: skip trials already measured in DIR", "DIR")
     return parser
+
+
+def _config_file_values(path: str) -> dict[str, Any]:
+    """The settings of an ``--autotune_config`` file, each parsed by its flag's declaration."""
+    try:
+        config = load_config(Path(path))
+    except ConfigError as error:
+        raise OptionError(f"--autotune_config: {error}") from None
+    declarations = dict(flags())
+    known = set(declarations) | CONFIG_KEYS
+    unknown = sorted(set(config) - known - INFORMATIONAL_CONFIG_KEYS)
+    if unknown:
+        raise OptionError(
+            f"--autotune_config: unknown key(s) {', '.join(map(repr, unknown))} in "
+            f"{path}; allowed: {', '.join(sorted(known))}"
+        )
+    values = {}
+    for dest, value in config.items():
+        if dest in declarations:
+            try:
+                values[dest] = declarations[dest].parse(value)
+            except InvalidValue as error:
+                raise OptionError(f"--autotune_config: {dest} {error}") from None
+    return values
+
+
+def trial_pins(args: argparse.Namespace) -> TrialPins:
+    """The level-2 keys of the ``--autotune_config`` file (DeepSpeed's names), validated: the
+    values the user pinned. At levels 0 and 1 they reach the ranks too (a best_config.json)."""
+    if args.autotune_config is None:
+        return TrialPins()
+    try:
+        return TrialPins.from_config(load_config(Path(args.autotune_config)))
+    except (ConfigError, TrialConfigError) as error:
+        raise OptionError(f"--autotune_config: {error}") from None
+
+
+def _check_tuning_ranges(options: AutotuneOptions) -> None:
+    """Refuse now, by flag, a value the tuning service's declaration would refuse at start."""
+    for dest, declaration in flags():
+        value = getattr(options, dest)
+        if declaration.service in _TUNING_SETTINGS and value is not None:
+            try:
+                _TUNING_SETTINGS[declaration.service].check(value)
+            except InvalidValue as error:
+                raise OptionError(f"argument --{dest}: {error}") from None
 
 
 def options_from_args(args: argparse.Namespace) -> AutotuneOptions:
     """Merge the config file (if any) under the command-line flags and validate the result."""
     values: dict[str, Any] = {}
     if args.autotune_config is not None:
-        try:
-            config = load_config(Path(args.autotune_config))
-        except ConfigError as error:
-            raise OptionError(f"--autotune_config: {error}") from None
-        settings = set(_VALIDATORS) | CONFIG_KEYS
-        unknown = sorted(set(config) - settings - INFORMATIONAL_CONFIG_KEYS)
-        if unknown:
-            raise OptionError(
-                f"--autotune_config: unknown key(s) {', '.join(map(repr, unknown))} in "
-                f"{args.autotune_config}; allowed: {', '.join(sorted(settings))}"
-            )
-        try:
-            values["trial_pins"] = TrialPins.from_config(config)
-        except TrialConfigError as error:
-            raise OptionError(f"--autotune_config: {error}") from None
-        for dest, value in config.items():
-            if dest in _VALIDATORS:
-                try:
-                    values[dest] = _VALIDATORS[dest](value)
-                except OptionError as error:
-                    raise OptionError(f"--autotune_config: {dest} {error}") from None
-    for option in fields(AutotuneOptions):
-        given = getattr(args, option.name, None)
+        values.update(_config_file_values(args.autotune_config))
+    for dest, _ in flags():
+        given = getattr(args, dest)
         if given is not None:
-            values[option.name] = given
-    return AutotuneOptions(**values)
+            values[dest] = given
+    options = AutotuneOptions(**values)
+    _check_tuning_ranges(options)
+    return options
 
 
 def check_torchrun_flags(args: argparse.Namespace) -> None:
@@ -420,11 +491,10 @@ def check_torchrun_flags(args: argparse.Namespace) -> None:
             )
     if args.max_restarts < 0:
         raise OptionError(f"argument --max_restarts: must be 0 or more, got {args.max_restarts}")
-    if not (math.isfinite(args.monitor_interval) and args.monitor_interval > 0):
-        raise OptionError(
-            f"argument --monitor_interval: must be a positive number of seconds, "
-            f"got {args.monitor_interval}"
-        )
+    try:
+        positive_seconds(args.monitor_interval)
+    except InvalidValue as error:
+        raise OptionError(f"argument --monitor_interval: {error}") from None
     static = args.rdzv_backend == "static" and not args.standalone
     if static and not 0 <= args.node_rank < max_nodes:
         raise OptionError(

@@ -36,6 +36,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from distune.errors import DistuneError
 from distune.worker_runtime.distributed import DistributedDataParallel
 
 _SHARDING = {2: ShardingStrategy.SHARD_GRAD_OP, 3: ShardingStrategy.FULL_SHARD}
@@ -43,7 +44,7 @@ _SHARDING = {2: ShardingStrategy.SHARD_GRAD_OP, 3: ShardingStrategy.FULL_SHARD}
 _FSDP_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
 
-class StrategyError(ValueError):
+class StrategyError(DistuneError, ValueError):
     """The model or optimizer cannot take the requested strategy; the message says why."""
 
 

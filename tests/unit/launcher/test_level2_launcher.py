@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from distune.launcher.level2 import command_without_tuning, rewrite_script_args
-from distune.launcher.options import parse
+from distune.launcher.options import parse, trial_pins
 from distune.launcher.trial_runner import classify
 from distune.tuning_service.trials.trial_config import TrialPins
 
@@ -65,14 +65,14 @@ def test_the_best_command_keeps_torchrun_flags_and_turns_tuning_off() -> None:
 def test_level2_flags_and_config_keys(tmp_path: Path) -> None:
     config = tmp_path / "c.yaml"
     config.write_text("zero_optimization: {stage: 1}\narg_mappings: {train_micro_batch_size_per_gpu: --bs}\n")
-    _, options = parse([
+    args, options = parse([
         "--autotune_level", "2", "--autotune_device_memory", "512MiB", "--autotune_metric", "latency",
         "--autotune_config", str(config), "t.py",
     ])
     assert options.autotune_device_memory == 512 * 2**20
     assert options.autotune_metric == "latency"
-    assert options.trial_pins.stage == 1
-    assert options.trial_pins.flag_for("train_micro_batch_size_per_gpu") == "--bs"
+    assert trial_pins(args).stage == 1
+    assert trial_pins(args).flag_for("train_micro_batch_size_per_gpu") == "--bs"
 
 
 @pytest.mark.parametrize(

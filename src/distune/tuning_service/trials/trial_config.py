@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from distune.errors import ConfigError
+
 MICRO_BATCH = "train_micro_batch_size_per_gpu"
 ACCUMULATION = "gradient_accumulation_steps"
 GLOBAL_BATCH = "train_batch_size"
@@ -30,7 +32,7 @@ MAPPABLE_KEYS = frozenset({MICRO_BATCH, ACCUMULATION})
 STRATEGY_NAMES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
 
 
-class TrialConfigError(ValueError):
+class TrialConfigError(ConfigError):
     """A level-2 config key holds a value it may not; the message names it and what is allowed."""
 
 
