@@ -1,8 +1,8 @@
 """distune: PyTorch data-parallel training that tunes its own communication settings online.
 
-The torch-backed names (``DistributedDataParallel``, ``fuse_optimizer``, ``prepare``, the ``algorithms`` and
-``data`` modules) are imported lazily, on first use, so that importing ``distune`` (as the tuning
-service does) never pulls in torch.
+The torch-backed names (``DistributedDataParallel``, ``fuse_optimizer``, ``prepare``, the
+``algorithms`` and ``data`` modules) are imported lazily, on first use, so that importing
+``distune`` (as the tuning service does) never pulls in torch.
 """
 
 from __future__ import annotations
