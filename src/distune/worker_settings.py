@@ -36,10 +36,12 @@ VARIABLES = {
 }
 
 
-def variable_table() -> str:
-    """The README's table of the ``DISTUNE_*`` variables, from :data:`VARIABLES`."""
+def variable_table(*more: Mapping[str, str]) -> str:
+    """The README's table of the ``DISTUNE_*`` variables: :data:`VARIABLES`, then ``more``
+    (level 2's, ``trial_settings.VARIABLES``)."""
     rows = ["| variable | meaning |", "|---|---|"]
-    rows += [f"| `{name}` | {meaning} |" for name, meaning in VARIABLES.items()]
+    for variables in (VARIABLES, *more):
+        rows += [f"| `{name}` | {meaning} |" for name, meaning in variables.items()]
     return "\n".join(rows) + "\n"
 
 

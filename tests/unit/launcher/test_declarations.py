@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from distune import trial_settings
 from distune.launcher.options import AutotuneOptions, build_parser, flag_table, flags, parse
 from distune.launcher.plan import plan_launch
 from distune.tuning_service.config import (
@@ -28,8 +29,8 @@ def test_readme_flag_table_is_the_declared_one():
 
 
 def test_readme_variable_table_is_the_declared_one():
-    assert variable_table() in README.read_text(encoding="utf-8"), (
-        "README's DISTUNE_* table differs from worker_settings.VARIABLES; paste variable_table()"
+    assert variable_table(trial_settings.VARIABLES) in README.read_text(encoding="utf-8"), (
+        "README's DISTUNE_* table differs from the VARIABLES of worker_settings and trial_settings; paste variable_table()"
     )
 
 
