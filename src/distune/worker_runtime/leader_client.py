@@ -31,6 +31,7 @@ from urllib.parse import quote
 
 import requests
 
+from distune.errors import DistuneError, ServiceError
 from distune.space import (
     MODEL_NAME_RULE,
     FixedKnobs,
@@ -82,10 +83,6 @@ class WindowReport:
             "iterations": self.iterations,
             "seconds": self.seconds,
         }
-
-
-class ServiceError(Exception):
-    """The service did not give a usable answer; the message says how (never the token)."""
 
 
 @dataclass(frozen=True)
@@ -295,7 +292,7 @@ class LeaderClient:
             logger.warning("tuning service at %s answers again", self._url)
 
 
-class _Unknown(Exception):
+class _Unknown(DistuneError):
     """The service does not know the model (404 to a report)."""
 
 

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distune.errors import DistuneError
 from distune.space import Hyperparameters
 from distune.worker_runtime.buckets import Bucket, Slot, assign_buckets
 from distune.worker_runtime.topology import HierarchicalProcessGroups
@@ -50,7 +51,7 @@ from distune.worker_runtime.topology import HierarchicalProcessGroups
 FUSED_DIVISION_MIN_NUMEL = 4096
 
 
-class ReductionError(RuntimeError):
+class ReductionError(DistuneError, RuntimeError):
     """Gradients cannot be averaged as asked; the message names the parameters concerned."""
 
 

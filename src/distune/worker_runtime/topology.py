@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distune.errors import DistuneError
+
 logger = logging.getLogger(__name__)
 
 #: Environment variables a launcher sets for every worker (torchrun's names).
@@ -24,7 +26,7 @@ NODE_VAR = "GROUP_RANK"
 LOCAL_RANK_VAR = "LOCAL_RANK"
 
 
-class TopologyError(RuntimeError):
+class TopologyError(DistuneError, RuntimeError):
     """The ranks reported an impossible topology; the message says what was reported."""
 
 
