@@ -113,6 +113,13 @@ def _release(handles: list[Any], hierarchical: _HierarchicalAllreduce | None) ->
         hierarchical.close()
 
 
+def _enclosing_node() -> Any:
+    """The node of an enclosing backward that autograd is running on this thread, or ``None``:
+    in the end-of-backward callback of a backward nested in another (reentrant checkpointing),
+    the node whose backward ran the nested one."""
+    return torch._C._current_autograd_node()
+
+
 def _buckets_of(reducer_ref: weakref.ref[Reducer]) -> Callable[[], list[Bucket]]:
     # Weakly, like the hooks: an exchange must not keep a dropped wrapper's reducer alive.
     def buckets() -> list[Bucket]:
@@ -120,12 +127,6 @@ def _buckets_of(reducer_ref: weakref.ref[Reducer]) -> Callable[[], list[Bucket]]
         return [] if reducer is None else reducer._buckets
 
     return buckets
-
-
-def _inside_outer_backward() -> bool:
-    """Whether autograd is running a node of an enclosing backward on this thread: true in
-    the end-of-backward callback of a backward nested in another (reentrant checkpointing)."""
-    return torch._C._current_autograd_node() is not None
 
 
 #: Makes an algorithm's gradient exchange, given the reducer's buckets (in launch order);
@@ -274,7 +275,6 @@ class Reducer:
 
     def _reset_backward_state(self) -> None:
         self._active = False
-        self._end_deferred = False
         self._ready = [False] * len(self._params)
         self._pending = [len(members) for members in self._members]
         self._next_bucket = 0
@@ -285,13 +285,6 @@ class Reducer:
         self._stream: Any = None
 
     def _check_idle(self, action: str) -> None:
-        if self._end_deferred:
-            raise ReductionError(
-                f"cannot {action}: the previous backward ended inside reentrant activation "
-                "checkpointing (torch.utils.checkpoint with use_reentrant=True) while some "
-                "parameters had no gradient yet, so its averaging never finished; use "
-                "use_reentrant=False, or make every parameter take part in each backward"
-            )
         if self._active:
             raise ReductionError(
                 f"cannot {action}: the previous backward's gradient averaging did not finish "
@@ -317,10 +310,6 @@ class Reducer:
                 return  # no_sync, or a backward this wrapper's forward did not arm
             if not self._active:
                 self._begin_backward()
-            elif self._end_deferred:
-                # The first part ended inside a reentrant backward: end with this one instead.
-                self._end_deferred = False
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             if self._ready[index]:
                 raise ReductionError(
                     f"parameter {self._names[index]!r} received its gradient twice in one "
@@ -397,13 +386,15 @@ class Reducer:
         self._handles.append(self._strategy.start(bucket.flat))
 
     def _end_backward(self) -> None:
-        if not all(self._ready) and _inside_outer_backward():
-            # A backward nested in another (reentrant checkpointing) ended, and parameters
-            # outside it are still to come in the enclosing backward: the next of their hooks
-            # queues this callback again, on the enclosing backward. One reduction per backward.
-            with self._lock:
-                self._end_deferred = True
-            return
+        if not all(self._ready):
+            enclosing = _enclosing_node()
+            if enclosing is not None:
+                # A backward nested in another (reentrant checkpointing) ended, and parameters
+                # outside it may still get gradients in the enclosing backward: end with that
+                # one instead (a hook on the node that ran the nested backward queues this
+                # callback there). One reduction, one iteration per backward, as torch DDP.
+                enclosing.register_hook(self._queue_end)
+                return
         stream = self._stream
         guard = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with self._lock, guard:
@@ -415,6 +406,9 @@ class Reducer:
                 self.armed = False
             self.iterations += 1
         self._after_iteration(ready_order)
+
+    def _queue_end(self, *_: Any) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _after_iteration(self, ready_order: list[int]) -> None:
         if not self._order_known:
