@@ -147,6 +147,9 @@ class Best:
     group: Group
     score: float
     gain_vs_default: float
+    #: Half-width of the 95% confidence interval of ``gain_vs_default``, from the windows of
+    #: the group and of the default group (None: too few windows to tell).
+    gain_margin: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The ``best`` object of ``/status``."""
