@@ -82,6 +82,10 @@ def sweep() -> list[Tuner]:
         _variant("confirm_margin=0.05", confirm_margin=0.05),
         _variant("small_budget=0", {"small_budget": 0}),  # the whole range at every budget
         _variant("small_budget=10000", {"small_budget": 10_000}),  # the middle at every budget
+        _variant("whole-init3", {"small_budget": 0, "initial_points": 3}),
+        _variant("whole-init2", {"small_budget": 0, "initial_points": 2}),
+        _variant("whole-lhs", {"small_budget": 0, "initial_design": "lhs"}),
+        _variant("no early end", early_end_windows=0),
     ]
 
 
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a quick look: 16 landscapes x 3 seeds, budgets 5,8,20, distune only",
+        help="a quick look: 40 landscapes x 2 seeds, budgets 5,8,20, distune only",
     )
     parser.add_argument("--json", metavar="PATH", help="write every run's figures as JSON")
     parser.add_argument("--plot", metavar="PNG", type=Path, help="draw the curves (matplotlib)")
@@ -120,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.draw and args.budgets == parser.get_default("budgets"):
         args.budgets = args.checkpoints = DRAW_BUDGETS
     if args.quick:
-        args.count, args.seeds = min(args.count, 16), min(args.seeds, 3)
+        args.count, args.seeds = min(args.count, 40), min(args.seeds, 2)
         args.budgets = args.checkpoints = "5,8,20"
         args.only = args.only or "distune"
     budgets = sorted({int(k) for k in f"{args.budgets},{args.checkpoints}".split(",")})

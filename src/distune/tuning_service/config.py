@@ -115,6 +115,15 @@ class TuningConfig:
     - ``max_windows``: a sample keeps at most this many windows; past it, neighbouring windows
       are merged in pairs (iterations and seconds added), so memory stays bounded however long
       a sample runs, while its time is still all counted.
+    - ``early_end_windows``: an exploring sample whose first this many scored windows are all
+      clearly slower than the best group ends there (0 disables): "clearly" is
+      ``early_end_z`` standard deviations of a window's noise below the best group's score.
+    - ``gain_confidence``: the confidence level of the interval on the gain over the default
+      group; a group whose interval does not lie above zero is not measurably faster, and the
+      session keeps the default instead.
+    - ``retune_drift``: after completing, if the job's throughput stays more than this
+      fraction below the chosen group's score for ``retune_drift_time`` reported seconds, the
+      session reopens with ``retune_samples`` samples (None: never).
     """
 
     max_samples: int = 20
@@ -130,6 +139,12 @@ class TuningConfig:
     stall_fraction: float = 0.25
     max_windows: int = 256
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    early_end_windows: int = 2
+    early_end_z: float = 3.0
+    gain_confidence: float = 0.95
+    retune_drift: float | None = None
+    retune_drift_time: float = 60.0
+    retune_samples: int = 6
 
     def __post_init__(self) -> None:
         _check_int("max_samples", self.max_samples, 1, 10_000)
@@ -150,3 +165,10 @@ class TuningConfig:
         _check_int("max_windows", self.max_windows, 8, 1_000_000)
         if not isinstance(self.optimizer, OptimizerSettings):
             raise ConfigError(f"optimizer must be an OptimizerSettings, got {self.optimizer!r}")
+        _check_int("early_end_windows", self.early_end_windows, 0, 1_000)
+        _check_number("early_end_z", self.early_end_z, 0.0, 100.0, low_open=False)
+        _check_number("gain_confidence", self.gain_confidence, 0.5, 0.9999, low_open=False)
+        if self.retune_drift is not None:
+            _check_number("retune_drift", self.retune_drift, 0.0, 1.0, low_open=True)
+        _check_number("retune_drift_time", self.retune_drift_time, 0.0, 86_400.0, low_open=True)
+        _check_int("retune_samples", self.retune_samples, 1, 10_000)

@@ -85,7 +85,9 @@ def test_a_sample_needs_both_its_time_and_its_windows():
 
 
 def test_first_window_after_a_switch_is_discarded():
-    s = session(TuningConfig(sampling_confidence_time=3.0, warmup_time=0, seed=1))
+    # A steady 80 against 100 would end early (see the early-end tests): measured in full here.
+    config = TuningConfig(sampling_confidence_time=3.0, warmup_time=0, seed=1, early_end_windows=0)
+    s = session(config)
     for _ in range(4):
         window(s, 100.0)
     assert s.view.samples == 1 and s.view.current.id == 1
@@ -297,7 +299,12 @@ def test_a_group_measured_once_cannot_win_over_a_confirmed_one_when_the_budget_r
     the last two samples of the budget; both come down, and the 4th group, measured once (also
     by luck), now has the highest score. The choice is the best confirmed group instead."""
     measured = [100.0, 130.0, 128.0, 122.0, 110.0, 105.0]  # the rate of sample 1, 2, ...
-    s = session(TuningConfig(max_samples=6, sampling_confidence_time=3.0, warmup_time=0, seed=3))
+    # Samples this far apart for one group make a wide interval on the gain: a low confidence
+    # keeps +20% measurable, so the choice shown is the confirmed group's, not the default's.
+    config = TuningConfig(
+        max_samples=6, sampling_confidence_time=3.0, warmup_time=0, seed=3, gain_confidence=0.5
+    )
+    s = session(config)
     while s.view.state is not State.COMPLETED:
         window(s, measured[s.view.samples])
     *samples, final = s.view.records
