@@ -80,11 +80,10 @@ def sweep() -> list[Tuner]:
         _variant("no confirmation", confirm_top=0),
         _variant("confirm_top=3", confirm_top=3),
         _variant("confirm_margin=0.05", confirm_margin=0.05),
-        _variant("small_budget=0", {"small_budget": 0}),  # the whole range at every budget
-        _variant("small_budget=10000", {"small_budget": 10_000}),  # the middle at every budget
-        _variant("whole-init3", {"small_budget": 0, "initial_points": 3}),
-        _variant("whole-init2", {"small_budget": 0, "initial_points": 2}),
-        _variant("whole-lhs", {"small_budget": 0, "initial_design": "lhs"}),
+        _variant("design whole range", {"design_max_buckets_2p": None}),
+        _variant("design<=2^12", {"design_max_buckets_2p": 12}),
+        _variant("design<=2^12-init3", {"design_max_buckets_2p": 12, "initial_points": 3}),
+        _variant("not cost-aware", {"cost_aware": False}),
         _variant("no early end", early_end_windows=0),
     ]
 

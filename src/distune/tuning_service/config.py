@@ -56,9 +56,11 @@ class OptimizerSettings:
     the largest expected improvement of any unmeasured group is below ``stop_improvement`` (a
     fraction of the best throughput; 0 disables early stopping).
 
-    With a small budget (``max_samples`` at most ``small_budget``) the greedy maximin design
-    keeps to the middle ``small_budget_share`` of the bucket-size range: there are not samples
-    enough to visit the ends of the range and still come back to where good groups usually are.
+    The greedy maximin design covers the whole bucket-size range, unless
+    ``design_max_buckets_2p`` is set: then it keeps to bucket sizes that split the model's
+    gradients into at most ``2**design_max_buckets_2p`` buckets (a prior from the gradient
+    bytes alone; the Bayesian phase still searches the whole range). ``cost_aware``: the
+    Bayesian phase divides the acquisition by the predicted cost of measuring a group.
     """
 
     acquisition: str = "EI"
@@ -70,8 +72,8 @@ class OptimizerSettings:
     stop_improvement: float = 0.002
     stop_min_groups: int = 8
     stop_min_share: float = 0.5
-    small_budget: int = 10
-    small_budget_share: float = 0.6
+    design_max_buckets_2p: int | None = 8
+    cost_aware: bool = True
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -87,8 +89,8 @@ class OptimizerSettings:
         _check_number("stop_improvement", self.stop_improvement, 0.0, 1.0, low_open=False)
         _check_int("stop_min_groups", self.stop_min_groups, 1, 10_000)
         _check_number("stop_min_share", self.stop_min_share, 0.0, 1.0, low_open=False)
-        _check_int("small_budget", self.small_budget, 0, 10_000)
-        _check_number("small_budget_share", self.small_budget_share, 0.0, 1.0, low_open=True)
+        if self.design_max_buckets_2p is not None:
+            _check_int("design_max_buckets_2p", self.design_max_buckets_2p, 0, 48)
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ import logging
 import math
 import statistics
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -256,6 +257,9 @@ class _Measurements(_Windows):
     """Every scored window of one group, across its samples."""
 
     samples: int = 0
+    #: Each sample's mean log rate and window count: how far samples of one group disagree
+    #: beyond their windows' noise (the job's conditions drift between samples).
+    sample_means: list[tuple[float, int]] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -290,9 +294,7 @@ class TuningSession:
         self.config = config
         self.space = SearchSpace.for_model(facts, fixed, config.default_bucket_size)
         self._optimizer = (
-            GroupOptimizer(
-                self.space, config.optimizer, _model_seed(config.seed, name), config.max_samples
-            )
+            GroupOptimizer(self.space, config.optimizer, _model_seed(config.seed, name))
             if self.space.tuned
             else None
         )
@@ -453,12 +455,27 @@ class TuningSession:
             return _PRIOR_WINDOW_SIGMA
         return max(_MIN_WINDOW_SIGMA, _MAD_TO_SIGMA * statistics.median(deviations))
 
+    def _sample_sigma(self, window_sigma: float) -> float:
+        """The standard deviation of a sample's mean log rate beyond its windows' noise:
+        from groups measured in several samples, the spread of their sample means less what
+        the window noise explains (0 until a group has two samples)."""
+        excess, freedom = 0.0, 0
+        for measured in self._measurements.values():
+            means = measured.sample_means
+            if len(means) >= 2:
+                centre = statistics.fmean(m for m, _ in means)
+                for mean, count in means:
+                    excess += (mean - centre) ** 2 - window_sigma**2 / count
+                freedom += len(means) - 1
+        return math.sqrt(max(0.0, excess / freedom)) if freedom else 0.0
+
     def _gain_interval(
-        self, windows: list[Window], score: float
+        self, windows: list[Window], score: float, samples: int = 1
     ) -> tuple[float, tuple[float, float]] | None:
-        """The gain over the default group of a group scored ``score`` from ``windows``, and
-        its ``gain_confidence`` interval: the difference of the two log scores, with the
-        pooled window noise over each side's window count (None before the default has a
+        """The gain over the default group of a group scored ``score`` from ``windows`` (of
+        ``samples`` samples), and its ``gain_confidence`` interval: the difference of the two
+        log scores, with the pooled window noise over each side's window count and the
+        samples' own spread over each side's sample count (None before the default has a
         score to compare with)."""
         default = self._measurements.get(self.space.default)
         if default is None or not windows:
@@ -467,7 +484,11 @@ class TuningSession:
         if windows is default.windows:
             return 0.0, (0.0, 0.0)
         z = statistics.NormalDist().inv_cdf((1.0 + self.config.gain_confidence) / 2.0)
-        half = z * self._window_sigma() * math.sqrt(1.0 / len(windows) + 1.0 / len(default.windows))
+        window_sigma = self._window_sigma()
+        sample_sigma = self._sample_sigma(window_sigma)
+        variance = window_sigma**2 * (1.0 / len(windows) + 1.0 / len(default.windows))
+        variance += sample_sigma**2 * (1.0 / samples + 1.0 / max(1, default.samples))
+        half = z * math.sqrt(variance)
         return math.expm1(delta), (math.expm1(delta - half), math.expm1(delta + half))
 
     def _sample_complete(self) -> bool:
@@ -508,6 +529,9 @@ class TuningSession:
         measured.windows = bounded(measured.windows + sample.windows, self.config.max_windows)
         measured.invalid += sample.invalid
         measured.samples += 1
+        if sample.windows:
+            logs = [math.log(w.rate) for w in sample.windows]
+            measured.sample_means.append((statistics.fmean(logs), len(logs)))
         if self._optimizer is not None and not self._converged:
             # The optimizer sees each group's pooled score: a re-measurement refines it.
             try:
@@ -550,7 +574,7 @@ class TuningSession:
         candidates = confirmed or self._measurements
         hp, measured = max(candidates.items(), key=lambda item: item[1].score)
         group = self._latest_group(hp)
-        interval = self._gain_interval(measured.windows, measured.score)
+        interval = self._gain_interval(measured.windows, measured.score, measured.samples)
         assert interval is not None  # the default group is measured first
         return Best(
             group,
@@ -633,7 +657,7 @@ class TuningSession:
         if self._converged or not may_explore:
             return self._default_to_confirm(remaining)
         try:
-            suggestion = self._optimizer.suggest()
+            suggestion = self._optimizer.suggest(self._sample_cost())
         except Exception:
             self._stop_searching()
             return self._next_sample()
@@ -672,6 +696,23 @@ class TuningSession:
                 Phase.CONFIRM
             )
         return None
+
+    def _sample_cost(self) -> Callable[[np.ndarray], np.ndarray] | None:
+        """The cost of measuring a group that runs ``slowdown`` times slower than the best
+        one, relative to a full sample: at least a full sample's time, and at least the
+        iterations of a sample ended early (the switch's window and ``early_end_windows``) at
+        that group's speed (None: the optimizer's cost-aware setting is off)."""
+        if not self.config.optimizer.cost_aware or self._best is None:
+            return None
+        best = self._measurements[self._best.group.hyperparameters]
+        step = best.seconds / max(1, best.iterations)
+        iterations = 1 + max(1, self.config.early_end_windows)
+        floor = self.config.sampling_confidence_time
+
+        def cost(slowdown: np.ndarray) -> np.ndarray:
+            return np.maximum(1.0, iterations * step * slowdown / floor)
+
+        return cost
 
     @property
     def _stop_min_groups(self) -> int:
@@ -730,7 +771,7 @@ class TuningSession:
         self._drift_seconds = 0.0
         seed = None if self.config.seed is None else self.config.seed + self._retunes
         self._optimizer = GroupOptimizer(
-            self.space, self.config.optimizer, _model_seed(seed, self.name), self._round_budget
+            self.space, self.config.optimizer, _model_seed(seed, self.name)
         )
         self._after_default = [] if chosen == self.space.default else [chosen]
         self._state = State.SAMPLING
