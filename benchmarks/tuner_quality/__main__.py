@@ -82,7 +82,7 @@ def sweep() -> list[Tuner]:
         _variant("confirm_margin=0.05", confirm_margin=0.05),
         _variant("design whole range", {"design_max_buckets_2p": None}),
         _variant("design<=2^12", {"design_max_buckets_2p": 12}),
-        _variant("design<=2^12-init3", {"design_max_buckets_2p": 12, "initial_points": 3}),
+        _variant("design<=2^6", {"design_max_buckets_2p": 6}),
         _variant("not cost-aware", {"cost_aware": False}),
         _variant("no early end", early_end_windows=0),
     ]
