@@ -12,6 +12,12 @@ ratios: of the medians, and the median of the per-round ratios distune/torch.
     .venv/bin/python benchmarks/runtime_overhead.py --testbed 2gbit   # 2 namespaces (root)
 
 A step is ``zero_grad``, forward, backward (gradients averaged), ``optimizer.step()`` (SGD).
+Both engines run with torch DDP's default ``broadcast_buffers=True`` (``--no-broadcast-buffers``
+turns it off for both); ``--batch-norm`` puts a BatchNorm1d after each hidden layer, so there
+are buffers to broadcast before every forward:
+
+    .venv/bin/python benchmarks/runtime_overhead.py --batch-norm
+    .venv/bin/python benchmarks/runtime_overhead.py --batch-norm --no-broadcast-buffers
 
 With ``--testbed RATE`` the ranks run on the shaped testbed (``benchmarks/testbed``) instead of
 loopback: ``--nodes`` network namespaces joined by links shaped to RATE, ``--nproc`` ranks on
@@ -48,8 +54,9 @@ from benchmarks.testbed.rate import LinkRate
 VARIANTS = ("compute", "torch", "distune")
 
 
-def mlp(io: int, width: int, layers: int) -> nn.Module:
-    """``layers`` Linear layers io -> width -> ... -> width -> io, ReLU between them.
+def mlp(io: int, width: int, layers: int, batch_norm: bool = False) -> nn.Module:
+    """``layers`` Linear layers io -> width -> ... -> width -> io, ReLU between them (after a
+    BatchNorm1d with ``batch_norm``).
 
     The default (1024, 2304, 4) has 15.3M parameters in 8 tensors; (8, 8, 40) has 80 tiny
     parameters, which shows the per-parameter cost of the hooks.
@@ -58,8 +65,11 @@ def mlp(io: int, width: int, layers: int) -> nn.Module:
     sizes = [io] + [width] * (layers - 1) + [io]
     modules: list[nn.Module] = []
     for fan_in, fan_out in itertools.pairwise(sizes):
-        modules += [nn.Linear(fan_in, fan_out), nn.ReLU()]
-    return nn.Sequential(*modules[:-1])
+        modules.append(nn.Linear(fan_in, fan_out))
+        if batch_norm:
+            modules.append(nn.BatchNorm1d(fan_out))
+        modules.append(nn.ReLU())
+    return nn.Sequential(*modules[: -2 if batch_norm else -1])
 
 
 def _rank_main(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
@@ -87,13 +97,15 @@ def _testbed_rank_main(args: argparse.Namespace) -> None:
 
 def _measure(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     """Every variant, step by step interleaved; rank 0's figures (the group is torn down)."""
+    shape = (args.io, args.width, args.layers, args.batch_norm)
+    broadcast = args.broadcast_buffers
     models = {
-        "compute": mlp(args.io, args.width, args.layers),
+        "compute": mlp(*shape),
         "torch": nn.parallel.DistributedDataParallel(
-            mlp(args.io, args.width, args.layers), bucket_cap_mb=args.bucket_size / 2**20
+            mlp(*shape), bucket_cap_mb=args.bucket_size / 2**20, broadcast_buffers=broadcast
         ),
         "distune": distune.DistributedDataParallel(
-            mlp(args.io, args.width, args.layers), bucket_size=args.bucket_size
+            mlp(*shape), bucket_cap_mb=args.bucket_size / 2**20, broadcast_buffers=broadcast
         ),
     }
     optimizers = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in models.items()}
@@ -154,7 +166,9 @@ def summarize(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "load_average": list(os.getloadavg()),
         "ranks": raw["world_size"],
         "threads_per_rank": args.threads,
-        "model": f"MLP io={args.io} width={args.width} layers={args.layers}",
+        "model": f"MLP io={args.io} width={args.width} layers={args.layers}"
+        + (" with BatchNorm1d" if args.batch_norm else ""),
+        "broadcast_buffers": args.broadcast_buffers,
         "parameters": raw["parameters"],
         "batch": args.batch,
         "bucket_size": args.bucket_size,
@@ -193,6 +207,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--io", type=int, default=1024, help="input and output width")
     parser.add_argument("--width", type=int, default=2304, help="hidden width (15.3M params)")
     parser.add_argument("--layers", type=int, default=4, help="Linear layers (default 4)")
+    parser.add_argument(
+        "--batch-norm", action="store_true", help="a BatchNorm1d after each hidden layer"
+    )
+    parser.add_argument(
+        "--broadcast-buffers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="both engines' broadcast_buffers (default: on, torch DDP's default)",
+    )
     parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
     parser.add_argument(
         "--bucket-size", type=int, default=2**25, help="bytes, a power of two (default 2^25)"

@@ -19,6 +19,7 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
+from distune.errors import DistuneError
 from distune.worker_settings import SERVICE_TOKEN
 
 #: A file holding the service's token (first line), for when the environment should not.
@@ -27,7 +28,7 @@ SERVICE_TOKEN_FILE = "DISTUNE_SERVICE_TOKEN_FILE"
 _TOKEN_FILE_LIMIT = 4096
 
 
-class TokenError(ValueError):
+class TokenError(DistuneError, ValueError):
     """A token or token file that cannot be used; the message says why, never what it holds."""
 
 

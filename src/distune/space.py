@@ -14,6 +14,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from distune.checks import InvalidValue, integer_in
+from distune.errors import DistuneError
+
 #: torch DDP's default bucket cap (25 MiB), the default group's bucket size.
 DEFAULT_BUCKET_SIZE = 25 * 1024 * 1024
 #: The smallest bucket the search offers (64 KiB): below it, per-message latency dominates.
@@ -31,7 +34,7 @@ IS_HIERARCHICAL_REDUCE = "is_hierarchical_reduce"
 KNOB_NAMES = (BUCKET_SIZE_2P, IS_HIERARCHICAL_REDUCE)
 
 
-class HyperparameterError(ValueError):
+class HyperparameterError(DistuneError, ValueError):
     """A hyperparameter value, name or search-space fact is invalid; the message says why."""
 
 
@@ -41,12 +44,10 @@ def is_valid_model_name(name: object) -> bool:
 
 
 def _check_int(name: str, value: Any, low: int, high: int) -> int:
-    # bool is an int subclass, but `True` as a bucket size is a bug, not a value.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise HyperparameterError(f"{name} must be an integer, got {value!r}")
-    if not low <= value <= high:
-        raise HyperparameterError(f"{name} must be in [{low}, {high}], got {value}")
-    return int(value)
+    try:
+        return integer_in(value, low, high)
+    except InvalidValue as error:
+        raise HyperparameterError(f"{name} {error}") from None
 
 
 def _check_bool(name: str, value: Any) -> bool:
@@ -239,8 +240,8 @@ class SearchSpace:
         fixed: FixedKnobs | None = None,
         default_bucket_size: int = DEFAULT_BUCKET_SIZE,
     ) -> SearchSpace:
-        """The space of DESIGN.md: bucket sizes from 2**16 up to the first power of two at or
-        above the model's gradient bytes; hierarchical only with several multi-rank nodes.
+        """The search space: bucket sizes from 2**16 up to the first power of two at or above
+        the model's gradient bytes; hierarchical only with several multi-rank nodes.
 
         A fixed or default bucket size above that top is clamped to it: one bucket either way.
         """

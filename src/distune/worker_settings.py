@@ -7,11 +7,12 @@ cannot drift apart. Like ``space``, this module imports neither torch nor the se
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from distune.checks import InvalidValue, positive_seconds
+from distune.errors import DistuneError
 from distune.space import DEFAULT_BUCKET_SIZE
 
 AUTOTUNE_LEVEL = "DISTUNE_AUTOTUNE_LEVEL"
@@ -34,7 +35,7 @@ VARIABLES = {
 }
 
 
-class SettingsError(ValueError):
+class SettingsError(DistuneError, ValueError):
     """A ``DISTUNE_*`` variable holds a value it may not; the message names it."""
 
 
@@ -59,10 +60,10 @@ class WorkerSettings:
         ):
             if value is not None and value <= 0:
                 raise SettingsError(f"{name} must be a positive number of bytes, got {value}")
-        if not (math.isfinite(self.sync_interval) and self.sync_interval > 0):
-            raise SettingsError(
-                f"{SYNC_INTERVAL} must be a positive number of seconds, got {self.sync_interval}"
-            )
+        try:
+            positive_seconds(self.sync_interval)
+        except InvalidValue as error:
+            raise SettingsError(f"{SYNC_INTERVAL} {error}") from None
 
     @property
     def tuning(self) -> bool:

@@ -149,5 +149,42 @@ def test_training_finishes_when_the_service_is_killed_mid_run(service, tmp_path)
     assert (tmp_path / "job" / "rank0.err").read_text().count(WARNING) == 1
 
 
+def subgroups(out: Path) -> dict:
+    """Each rank is its own one-rank data-parallel group; both tune a model named ``net``."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group([rank]) for rank in range(dist.get_world_size())]
+    torch.manual_seed(0)
+    model = distune.DistributedDataParallel(
+        nn.Linear(32, 8), process_group=groups[dist.get_rank()], name="net"
+    )
+    for _ in range(int(os.environ["TEST_STEPS"])):
+        model(torch.randn(4, 32)).sum().backward()
+        time.sleep(0.004)
+    return {}
+
+
+def test_each_data_parallel_subgroup_has_its_own_tuning_session(service, tmp_path):
+    url, _ = service
+    run_job(__file__, "subgroups", tmp_path / "job", env=tuning_env(url, 200))
+    models = requests.get(f"{url}/api/v1/status", timeout=5).json()["models"]
+    # One session per subgroup, named after its first global rank (docs/worker_runtime.md).
+    assert set(models) == {"net.r0", "net.r1"}, models
+
+
+def test_a_name_the_service_refuses_is_shown_and_training_goes_on(service, tmp_path):
+    url, _ = service
+    other = {"world_size": 3, "nnodes": 1, "local_world_size": 3, "gradient_bytes": 4096}
+    answer = requests.post(f"{url}/api/v1/models/model0/register", json=other, timeout=5)
+    assert answer.ok
+    results = run_job(__file__, "train", tmp_path / "job", env=tuning_env(url, 150))
+    records = assert_lockstep(results)
+    assert records[-1][0] == 150 and not switches(records)
+    log = (tmp_path / "job" / "rank0.err").read_text()
+    # The service's own 409 message, once; no retry loop.
+    assert log.count("refused model 'model0': model 'model0' is already registered") == 1, log
+    assert log.count(WARNING) == 1, log
+
+
 if __name__ == "__main__":
-    worker_main({"train": train})
+    worker_main({"train": train, "subgroups": subgroups})

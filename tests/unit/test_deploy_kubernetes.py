@@ -26,7 +26,7 @@ DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 CONTAINER_NAME = "pytorch"
 MASTER_PORT_NAME = "pytorchjob-port"
 RESTART_POLICIES = {"Always", "OnFailure", "Never", "ExitCode"}
-# A best-file as the service writes it (DESIGN.md), for the job that reuses one.
+# A best-file as the service writes it (docs/tuning_service.md), for the job that reuses one.
 BEST_FILE = {
     "bucket_size": 2**22,
     "hierarchical_reduce": True,

@@ -8,7 +8,9 @@ matplotlib loads only for ``plot``. The launcher stays ``distune-run``.
 
 from __future__ import annotations
 
+from distune.errors import DistuneError
 
-class CommandError(Exception):
+
+class CommandError(DistuneError):
     """A failure the user must fix (no service, a bad log file); ``distune`` prints its message
     on one line and exits with status 1, without a traceback."""

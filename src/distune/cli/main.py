@@ -8,6 +8,7 @@ import sys
 
 import distune
 from distune.cli import CommandError, log, plot, status
+from distune.errors import ServiceError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(args.run(args))
-    except CommandError as error:
+    except (CommandError, ServiceError) as error:
         print(f"distune {args.command}: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

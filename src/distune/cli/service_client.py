@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import requests
 
-from distune.cli import CommandError
+from distune.errors import ServiceError
 from distune.service_auth import (
     SERVICE_TOKEN_FILE,
     TokenError,
@@ -29,10 +29,6 @@ from distune.worker_settings import SERVICE_TOKEN, SERVICE_URL
 
 #: Seconds to wait for the service's answer.
 DEFAULT_TIMEOUT = 5.0
-
-
-class ServiceError(CommandError):
-    """The service cannot be reached or asked; the message says which and why."""
 
 
 def _check_url(url: str) -> str:

@@ -12,9 +12,7 @@ from typing import Any
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """The config file cannot be read or is not a mapping of settings."""
+from distune.errors import ConfigError
 
 
 def load_config(path: Path) -> dict[str, Any]:

@@ -13,10 +13,10 @@ import argparse
 import contextlib
 import math
 import sys
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 from urllib.parse import urlsplit
 
 from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
@@ -26,73 +26,18 @@ from torch.distributed.run import (
     parse_min_max_nnodes,
 )
 
-from distune.launcher.config_file import ConfigError, load_config
-from distune.tuning_service.config import TuningConfig
+from distune.checks import InvalidValue, positive_seconds, whole_number_text
+from distune.errors import ConfigError
+from distune.launcher.config_file import load_config
+from distune.tuning_service.config import TuningConfig, declared
 
 
-class OptionError(ValueError):
+class OptionError(ConfigError):
     """An autotune flag or config key holds a value it may not; the message names it."""
 
 
-@dataclass(frozen=True)
-class AutotuneOptions:
-    """The autotune settings of one ``distune-run``, validated.
-
-    ``None`` means "not given": the tuning service's own default applies (or, for the fixed
-    knobs, the knob is tuned).
-    """
-
-    autotune_level: int = 0
-    autotune_max_samples: int | None = None
-    autotune_sampling_confidence_time: float | None = None
-    autotune_warmup_time: float | None = None
-    is_output_autotune_log: bool = False
-    autotune_log_file: Path | None = None
-    autotune_service_port: int | None = None
-    autotune_service_addr: str | None = None
-    autotune_service_bind: str | None = None
-    default_bucket_size: int | None = None
-    bucket_size: int | None = None
-    hierarchical_reduce: bool | None = None
-    autotune_best_file: Path | None = None
-    autotune_quiet: bool = False
-
-    @property
-    def writes_log(self) -> bool:
-        """Whether a CSV log is written (``--autotune_log_file`` implies it)."""
-        return self.is_output_autotune_log or self.autotune_log_file is not None
-
-
 def _whole_number(low: int, high: int | None, allowed: str) -> Callable[[Any], int]:
-    """A validator of whole numbers in [low, high] (``high`` None: no upper bound)."""
-
-    def check(value: Any) -> int:
-        number = None
-        # YAML's `yes` and JSON's `true` parse to bool, which Python also treats as an int.
-        if not isinstance(value, bool):
-            with contextlib.suppress(ValueError):
-                number = int(str(value).strip())
-        if number is None or number < low or (high is not None and number > high):
-            raise OptionError(f"must be {allowed}, got {value!r}")
-        return number
-
-    return check
-
-
-_level = _whole_number(0, 1, "0 or 1")
-_positive_int = _whole_number(1, None, "an integer of at least 1")
-_bytes = _whole_number(1, None, "a positive whole number of bytes")
-_port = _whole_number(0, 65535, "a port in [0, 65535] (0: a free one)")
-
-
-def _positive_seconds(value: Any) -> float:
-    seconds = math.nan
-    if not isinstance(value, bool):
-        with contextlib.suppress(ValueError):
-            seconds = float(str(value).strip())
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise OptionError(f"must be a positive number of seconds, got {value!r}")
-    return seconds
+    return lambda value: whole_number_text(value, low, high, allowed)
 
 
 def _url(value: Any) -> str:
@@ -108,7 +53,7 @@ def _url(value: Any) -> str:
     except ValueError:  # e.g. a port that is not a number
         valid = False
     if not valid:
-        raise OptionError(f"must be a URL like http://HOST:PORT, got {value!r}")
+        raise InvalidValue(f"must be a URL like http://HOST:PORT, got {value!r}")
     return text
 
 
@@ -116,52 +61,206 @@ def _listen_address(value: Any) -> str:
     text = value.strip().removeprefix("[").removesuffix("]") if isinstance(value, str) else ""
     # One colon is HOST:PORT (an IPv6 address has several); the port is another flag's.
     if not text or text.count(":") == 1 or any(c.isspace() or c in "/@?#[]" for c in text):
-        raise OptionError(
+        raise InvalidValue(
             f"must be an address to listen on, like 0.0.0.0 or 10.0.0.5, got {value!r}"
         )
     return text
 
 
+def _fraction(value: Any) -> float:
+    """A fraction in (0, 1], from a number or its text."""
+    number = math.nan
+    if not isinstance(value, bool):  # YAML's `yes` is a bool, which Python counts as a number
+        with contextlib.suppress(ValueError, TypeError):
+            number = float(str(value).strip())
+    if not (0.0 < number <= 1.0):
+        raise InvalidValue(f"must be a fraction in (0, 1], e.g. 0.2, got {value!r}")
+    return number
+
+
 def _bool(value: Any) -> bool:
     if not isinstance(value, bool):
-        raise OptionError(f"must be true or false, got {value!r}")
+        raise InvalidValue(f"must be true or false, got {value!r}")
     return value
 
 
 def _output_path(value: Any) -> Path:
     """A file to create: its directory must exist, and it must not be a symlink."""
     if not isinstance(value, str | Path) or not str(value).strip():
-        raise OptionError(f"must be a file path, got {value!r}")
+        raise InvalidValue(f"must be a file path, got {value!r}")
     path = Path(value).expanduser()
     if not path.parent.is_dir():
-        raise OptionError(f"directory {str(path.parent)!r} does not exist")
+        raise InvalidValue(f"directory {str(path.parent)!r} does not exist")
     if path.is_symlink():
-        raise OptionError(f"{str(path)!r} is a symlink, which is refused")
+        raise InvalidValue(f"{str(path)!r} is a symlink, which is refused")
     if path.is_dir():
-        raise OptionError(f"{str(path)!r} is a directory, not a file")
+        raise InvalidValue(f"{str(path)!r} is a directory, not a file")
     return path
 
 
-# dest -> validator(value), shared by the command line and config files.
-_VALIDATORS: Mapping[str, Callable[[Any], Any]] = {
-    "autotune_level": _level,
-    "autotune_max_samples": _positive_int,
-    "autotune_sampling_confidence_time": _positive_seconds,
-    "autotune_warmup_time": _positive_seconds,
-    "is_output_autotune_log": _bool,
-    "autotune_log_file": _output_path,
-    "autotune_service_port": _port,
-    "autotune_service_addr": _url,
-    "autotune_service_bind": _listen_address,
-    "default_bucket_size": _bytes,
-    "bucket_size": _bytes,
-    "hierarchical_reduce": _bool,
-    "autotune_best_file": _output_path,
-    "autotune_quiet": _bool,
-}
+#: How a flag takes its value: ``value`` (``--flag V``), ``switch`` (``--flag`` sets True) or
+#: ``on_off`` (``--flag`` and ``--no-flag``).
+FlagKind = Literal["value", "switch", "on_off"]
 
+
+@dataclass(frozen=True)
+class Flag:
+    """The declaration of one ``distune-run`` flag, held in its AutotuneOptions field.
+
+    The flag (both spellings), its config-file key (the field's name), its ``--help`` line and
+    its README row all come from here. ``parse`` takes the command line's text or the config
+    file's value and returns the value or raises :class:`~distune.checks.InvalidValue`.
+    ``service`` names the tuning service's flag that receives the value (a
+    :class:`~distune.tuning_service.config.TuningConfig` field's name, whose declaration then
+    supplies the help, the default and the range), or None for a launcher-only flag.
+    """
+
+    parse: Callable[[Any], Any]
+    help: str | None = None
+    metavar: str | None = None
+    kind: FlagKind = "value"
+    service: str | None = None
+
+    def help_text(self) -> str:
+        """The flag's help: its own, or the tuning setting's with the service's default."""
+        if self.help is not None:
+            return self.help
+        assert self.service is not None, "a flag without help must name its tuning setting"
+        setting = _TUNING_SETTINGS[self.service]
+        default = getattr(TuningConfig(), self.service)
+        shown = f"{default:g}" if isinstance(default, float) else str(default)
+        return f"{setting.help} (default {shown})"
+
+
+def flag_field(
+    parse: Callable[[Any], Any],
+    help: str | None = None,
+    metavar: str | None = None,
+    *,
+    kind: FlagKind = "value",
+    service: str | None = None,
+    default: Any = None,
+) -> Any:
+    """An AutotuneOptions field declared as a :class:`Flag`."""
+    return field(default=default, metadata={"flag": Flag(parse, help, metavar, kind, service)})
+
+
+_TUNING_SETTINGS = {item.name: setting for item, setting in declared(TuningConfig)}
+_level = _whole_number(0, 1, "0 or 1")
+_positive_int = _whole_number(1, None, "an integer of at least 1")
+_bytes = _whole_number(1, None, "a positive whole number of bytes")
+_port = _whole_number(0, 65535, "a port in [0, 65535] (0: a free one)")
+
+
+@dataclass(frozen=True)
+class AutotuneOptions:
+    """The autotune settings of one ``distune-run``, validated: the declaration of every
+    autotune flag (see :class:`Flag`).
+
+    ``None`` means "not given": the tuning service's own default applies (or, for the fixed
+    knobs, the knob is tuned).
+    """
+
+    autotune_level: int = flag_field(
+        _level,
+        "0 (default): no tuning, no service; 1: online tuning of the communication knobs",
+        "{0,1}",
+        default=0,
+    )
+    autotune_max_samples: int | None = flag_field(_positive_int, metavar="N", service="max_samples")
+    autotune_sampling_confidence_time: float | None = flag_field(
+        positive_seconds, metavar="T", service="sampling_confidence_time"
+    )
+    autotune_warmup_time: float | None = flag_field(
+        positive_seconds, metavar="W", service="warmup_time"
+    )
+    autotune_retune_drift: float | None = flag_field(
+        _fraction, metavar="FRACTION", service="retune_drift"
+    )
+    is_output_autotune_log: bool = flag_field(
+        _bool,
+        "write the CSV log to /tmp/distune_autotune_<random>.log",
+        kind="switch",
+        default=False,
+    )
+    autotune_log_file: Path | None = flag_field(
+        _output_path, "write the CSV log to PATH (implies the log)", "PATH"
+    )
+    autotune_service_port: int | None = flag_field(
+        _port, "the service's port (default: a free one; multi-node: rendezvous port + 1)", "P"
+    )
+    autotune_service_addr: str | None = flag_field(
+        _url, "where workers reach the service (multi-node: node 0's)", "URL"
+    )
+    autotune_service_bind: str | None = flag_field(
+        _listen_address,
+        "where the service listens (default: its URL's address, never every interface; "
+        "0.0.0.0 or :: only when asked, e.g. behind NAT)",
+        "ADDR",
+    )
+    default_bucket_size: int | None = flag_field(
+        _bytes, metavar="BYTES", service="default_bucket_size"
+    )
+    bucket_size: int | None = flag_field(_bytes, "pin the bucket size: it is not tuned", "BYTES")
+    hierarchical_reduce: bool | None = flag_field(
+        _bool, "pin hierarchical allreduce on or off: it is not tuned", kind="on_off"
+    )
+    autotune_best_file: Path | None = flag_field(
+        _output_path,
+        "write the chosen group and its measured gain as JSON to PATH",
+        "PATH",
+        service="best_file",
+    )
+    autotune_quiet: bool = flag_field(
+        _bool,
+        "no progress lines while tuning (the end-of-run summary is still printed)",
+        kind="switch",
+        default=False,
+    )
+
+    @property
+    def writes_log(self) -> bool:
+        """Whether a CSV log is written (``--autotune_log_file`` implies it)."""
+        return self.is_output_autotune_log or self.autotune_log_file is not None
+
+    def service_values(self) -> dict[str, Any]:
+        """The given values the tuning service takes, by its flag names (``max_samples``)."""
+        values = {}
+        for dest, declaration in flags():
+            value = getattr(self, dest)
+            if declaration.service is not None and value is not None:
+                values[declaration.service] = value
+        return values
+
+
+def flags() -> Iterator[tuple[str, Flag]]:
+    """Every autotune flag's destination (its field and config key) and declaration, in order."""
+    for item in fields(AutotuneOptions):
+        yield item.name, item.metadata["flag"]
+
+
+#: The one flag that is not a setting: where the settings come from.
+CONFIG_FLAG = "autotune_config"
+CONFIG_HELP = "YAML or JSON with the same settings (keys are the flag names); flags win"
 #: Keys a config file may hold besides the flags: the informational part of a best-file.
 INFORMATIONAL_CONFIG_KEYS = frozenset({"autotune_result"})
+
+
+def flag_table() -> str:
+    """The README's table of the autotune flags, one row a flag, from their declarations."""
+    rows = ["| flag | meaning |", "|---|---|"]
+    for dest, declaration in flags():
+        spelled = f"--{dest}" if declaration.kind != "on_off" else f"--[no-]{dest}"
+        if declaration.metavar is not None:
+            spelled += f" {declaration.metavar}"
+        rows.append(f"| `{spelled}` | {_markdown(declaration.help_text())} |")
+    rows.append(f"| `--{CONFIG_FLAG} FILE` | {_markdown(CONFIG_HELP)} |")
+    return "\n".join(rows) + "\n"
+
+
+def _markdown(text: str) -> str:
+    # `<random>` would read as an HTML tag.
+    return text.replace("<", "\\<").replace(">", "\\>")
 
 
 class LauncherArgumentParser(argparse.ArgumentParser):
@@ -171,16 +270,39 @@ class LauncherArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _cli_type(dest: str) -> Callable[[str], Any]:
+def _cli_type(dest: str, parse: Callable[[Any], Any]) -> Callable[[str], Any]:
     def convert(text: str) -> Any:
         try:
-            return _VALIDATORS[dest](text)
-        except OptionError as error:
+            return parse(text)
+        except InvalidValue as error:
             # argparse prefixes the message with the flag's spellings.
             raise argparse.ArgumentTypeError(str(error)) from None
 
     convert.__name__ = dest  # argparse names the type in some messages
     return convert
+
+
+def _add_flag(group: argparse._ArgumentGroup, dest: str, declaration: Flag) -> None:
+    spellings = [f"--{dest}", f"--{dest.replace('_', '-')}"]
+    if declaration.kind == "value":
+        group.add_argument(
+            *spellings,
+            dest=dest,
+            type=_cli_type(dest, declaration.parse),
+            default=None,
+            metavar=declaration.metavar,
+            help=declaration.help_text(),
+        )
+        return
+    group.add_argument(
+        *spellings, dest=dest, action="store_const", const=True, default=None,
+        help=declaration.help_text(),
+    )  # fmt: skip
+    if declaration.kind == "on_off":
+        group.add_argument(
+            f"--no-{dest}", f"--no_{dest}", f"--no-{dest.replace('_', '-')}",
+            dest=dest, action="store_const", const=False, help=f"the opposite of --{dest}",
+        )  # fmt: skip
 
 
 def build_parser() -> LauncherArgumentParser:
@@ -192,116 +314,65 @@ def build_parser() -> LauncherArgumentParser:
         add_help=False,  # the parent's -h/--help is inherited
     )
     group = parser.add_argument_group("autotune", "distune's flags; the others are torchrun's")
-
-    def add(dest: str, help_text: str, metavar: str | None = None) -> None:
-        group.add_argument(
-            f"--{dest}",
-            f"--{dest.replace('_', '-')}",
-            dest=dest,
-            type=_cli_type(dest),
-            default=None,
-            metavar=metavar,
-            help=help_text,
-        )
-
-    add("autotune_level", "0: no tuning, no service (default); 1: tune online", "{0,1}")
-    tuning = TuningConfig()  # the service's defaults, shown here; the service applies them
-    add("autotune_max_samples", f"at most N sampled groups (default {tuning.max_samples})", "N")
-    add(
-        "autotune_sampling_confidence_time",
-        f"seconds each group is measured (default {tuning.sampling_confidence_time:g})",
-        "T",
-    )
-    add(
-        "autotune_warmup_time",
-        f"seconds ignored at the start (default {tuning.warmup_time:g})",
-        "W",
-    )
+    for dest, declaration in flags():
+        _add_flag(group, dest, declaration)
     group.add_argument(
-        "--is_output_autotune_log",
-        "--is-output-autotune-log",
-        dest="is_output_autotune_log",
-        action="store_const",
-        const=True,
-        default=None,
-        help="write the CSV log to /tmp/distune_autotune_<random>.log",
-    )
-    add("autotune_log_file", "write the CSV log to PATH (implies the log)", "PATH")
-    add("autotune_service_port", "port of the tuning service (default: a free one)", "P")
-    add("autotune_service_addr", "where workers reach the service (multi-node: node 0's)", "URL")
-    add(
-        "autotune_service_bind",
-        "where the service listens (default: the address of its URL, never every interface); "
-        "0.0.0.0 or :: for every interface, e.g. behind NAT",
-        "ADDR",
-    )
-    add("default_bucket_size", "the default group's bucket size (default 25 MiB)", "BYTES")
-    add("bucket_size", "fix the bucket size: it is not tuned", "BYTES")
-    group.add_argument(
-        "--hierarchical_reduce",
-        "--hierarchical-reduce",
-        dest="hierarchical_reduce",
-        action="store_const",
-        const=True,
-        default=None,
-        help="fix hierarchical allreduce on: it is not tuned",
-    )
-    group.add_argument(
-        "--no-hierarchical_reduce",
-        "--no_hierarchical_reduce",
-        "--no-hierarchical-reduce",
-        dest="hierarchical_reduce",
-        action="store_const",
-        const=False,
-        help="fix hierarchical allreduce off: it is not tuned",
-    )
-    group.add_argument(
-        "--autotune_config",
-        "--autotune-config",
-        dest="autotune_config",
+        f"--{CONFIG_FLAG}",
+        f"--{CONFIG_FLAG.replace('_', '-')}",
+        dest=CONFIG_FLAG,
         default=None,
         metavar="FILE",
-        help="YAML or JSON with the same settings (a best-file is one); flags win",
-    )
-    add("autotune_best_file", "write the chosen group and its gain as JSON here", "PATH")
-    group.add_argument(
-        "--autotune_quiet",
-        "--autotune-quiet",
-        dest="autotune_quiet",
-        action="store_const",
-        const=True,
-        default=None,
-        help="no progress lines while tuning (the end-of-run summary is still printed)",
+        help=CONFIG_HELP,
     )
     return parser
+
+
+def _config_file_values(path: str) -> dict[str, Any]:
+    """The settings of an ``--autotune_config`` file, each parsed by its flag's declaration."""
+    try:
+        config = load_config(Path(path))
+    except ConfigError as error:
+        raise OptionError(f"--autotune_config: {error}") from None
+    declarations = dict(flags())
+    unknown = sorted(set(config) - set(declarations) - INFORMATIONAL_CONFIG_KEYS)
+    if unknown:
+        raise OptionError(
+            f"--autotune_config: unknown key(s) {', '.join(map(repr, unknown))} in "
+            f"{path}; allowed: {', '.join(sorted(declarations))}"
+        )
+    values = {}
+    for dest, value in config.items():
+        if dest in declarations:
+            try:
+                values[dest] = declarations[dest].parse(value)
+            except InvalidValue as error:
+                raise OptionError(f"--autotune_config: {dest} {error}") from None
+    return values
+
+
+def _check_tuning_ranges(options: AutotuneOptions) -> None:
+    """Refuse now, by flag, a value the tuning service's declaration would refuse at start."""
+    for dest, declaration in flags():
+        value = getattr(options, dest)
+        if declaration.service in _TUNING_SETTINGS and value is not None:
+            try:
+                _TUNING_SETTINGS[declaration.service].check(value)
+            except InvalidValue as error:
+                raise OptionError(f"argument --{dest}: {error}") from None
 
 
 def options_from_args(args: argparse.Namespace) -> AutotuneOptions:
     """Merge the config file (if any) under the command-line flags and validate the result."""
     values: dict[str, Any] = {}
     if args.autotune_config is not None:
-        try:
-            config = load_config(Path(args.autotune_config))
-        except ConfigError as error:
-            raise OptionError(f"--autotune_config: {error}") from None
-        known = set(_VALIDATORS) | INFORMATIONAL_CONFIG_KEYS
-        unknown = sorted(set(config) - known)
-        if unknown:
-            raise OptionError(
-                f"--autotune_config: unknown key(s) {', '.join(map(repr, unknown))} in "
-                f"{args.autotune_config}; allowed: {', '.join(sorted(_VALIDATORS))}"
-            )
-        for dest, value in config.items():
-            if dest in _VALIDATORS:
-                try:
-                    values[dest] = _VALIDATORS[dest](value)
-                except OptionError as error:
-                    raise OptionError(f"--autotune_config: {dest} {error}") from None
-    for field in fields(AutotuneOptions):
-        given = getattr(args, field.name)
+        values.update(_config_file_values(args.autotune_config))
+    for dest, _ in flags():
+        given = getattr(args, dest)
         if given is not None:
-            values[field.name] = given
-    return AutotuneOptions(**values)
+            values[dest] = given
+    options = AutotuneOptions(**values)
+    _check_tuning_ranges(options)
+    return options
 
 
 def check_torchrun_flags(args: argparse.Namespace) -> None:
@@ -328,11 +399,10 @@ def check_torchrun_flags(args: argparse.Namespace) -> None:
             )
     if args.max_restarts < 0:
         raise OptionError(f"argument --max_restarts: must be 0 or more, got {args.max_restarts}")
-    if not (math.isfinite(args.monitor_interval) and args.monitor_interval > 0):
-        raise OptionError(
-            f"argument --monitor_interval: must be a positive number of seconds, "
-            f"got {args.monitor_interval}"
-        )
+    try:
+        positive_seconds(args.monitor_interval)
+    except InvalidValue as error:
+        raise OptionError(f"argument --monitor_interval: {error}") from None
     static = args.rdzv_backend == "static" and not args.standalone
     if static and not 0 <= args.node_rank < max_nodes:
         raise OptionError(

@@ -75,15 +75,8 @@ def _service_args(options: AutotuneOptions, placement: ServicePlacement) -> tupl
         argv += ["--log-file", str(options.autotune_log_file)]
     elif options.is_output_autotune_log:
         argv += ["--log-dir", DEFAULT_LOG_DIR]
-    for flag, value in (
-        ("--max-samples", options.autotune_max_samples),
-        ("--sampling-confidence-time", options.autotune_sampling_confidence_time),
-        ("--warmup-time", options.autotune_warmup_time),
-        ("--default-bucket-size", options.default_bucket_size),
-        ("--best-file", options.autotune_best_file),
-    ):
-        if value is not None:
-            argv += [flag, str(value)]
+    for name, value in options.service_values().items():
+        argv += [f"--{name.replace('_', '-')}", str(value)]
     fixed = []
     if options.bucket_size is not None:
         fixed.append(f"bucket_size_2p={bucket_size_2p_for(options.bucket_size)}")

@@ -23,6 +23,7 @@ from urllib.parse import quote, urlsplit
 
 import requests
 
+from distune.errors import DistuneError
 from distune.worker_settings import SERVICE_TOKEN
 
 HEALTH_PATH = "/api/v1/health"
@@ -30,7 +31,7 @@ STATUS_PATH = "/api/v1/status"
 _PR_SET_PDEATHSIG = 1
 
 
-class ServiceStartError(RuntimeError):
+class ServiceStartError(DistuneError, RuntimeError):
     """The tuning service did not come up; the message says what happened."""
 
 

@@ -1,5 +1,6 @@
 """The HTTP tuning service: per-model tuning sessions (a state machine over report windows),
-a scikit-optimize Gaussian-process optimizer, the CSV log, and the REST API v1 of DESIGN.md.
+a scikit-optimize Gaussian-process optimizer, the CSV log, and the REST API v1
+(docs/architecture.md places it among the parts; docs/tuning_service.md is its how).
 
 Run it with ``python -m distune.tuning_service``. :class:`TuningConfig` is cheap to import (the
 launcher takes its flag defaults from it); the rest loads Flask and scikit-optimize, so it is

@@ -1,4 +1,4 @@
-"""The REST API v1 of DESIGN.md as a Flask application.
+"""The REST API v1 as a Flask application (docs/tuning_service.md, docs/architecture.md).
 
 Every error is JSON, ``{"error": "..."}``, with a 4xx status for anything the client got wrong:
 400 for a malformed body or field (the message names the field), 401 without the bearer token

@@ -23,10 +23,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from distune.errors import DistuneError
 from distune.tuning_service.session import SessionView, State
 
 
-class BestFileError(OSError):
+class BestFileError(DistuneError, OSError):
     """The best-file cannot be written where asked; the message says why."""
 
 

@@ -7,11 +7,12 @@ exactly what to fix. Numbers must be JSON numbers of the right kind: ``true`` is
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from distune.checks import InvalidValue, integer_in, number_in
+from distune.errors import DistuneError
 from distune.space import (
     MODEL_NAME_RULE,
     FixedKnobs,
@@ -30,7 +31,7 @@ SECONDS_RANGE = (1e-6, 1e6)
 MAX_RATE = 1e9
 
 
-class RequestError(ValueError):
+class RequestError(DistuneError, ValueError):
     """A request is malformed; ``field`` names the culprit (``body`` for the whole of it)."""
 
     def __init__(self, field: str, message: str) -> None:
@@ -58,20 +59,17 @@ def _object(data: Any, allowed: tuple[str, ...], required: tuple[str, ...]) -> M
 
 
 def _integer(name: str, value: Any, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(name, f"must be an integer, got {value!r}")
-    if not low <= value <= high:
-        raise RequestError(name, f"must be an integer in [{low}, {high}], got {value}")
-    return value
+    try:
+        return integer_in(value, low, high)
+    except InvalidValue as error:
+        raise RequestError(name, str(error)) from None
 
 
 def _seconds(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise RequestError(name, f"must be a number, got {value!r}")
-    low, high = SECONDS_RANGE
-    if not (math.isfinite(value) and low <= value <= high):
-        raise RequestError(name, f"must be a finite number in [{low:g}, {high:g}], got {value}")
-    return float(value)
+    try:
+        return number_in(value, *SECONDS_RANGE)
+    except InvalidValue as error:
+        raise RequestError(name, str(error)) from None
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,11 @@ from types import FrameType
 
 from waitress.server import create_server
 
+from distune.errors import ConfigError
 from distune.space import FixedKnobs, HyperparameterError
 from distune.tuning_service.app import MAX_BODY_BYTES, create_app
 from distune.tuning_service.best_file import BestFileError, check_path
-from distune.tuning_service.config import ConfigError, TuningConfig
+from distune.tuning_service.config import TuningConfig, declared, value_type
 from distune.tuning_service.service import TuningService
 from distune.tuning_service.tuning_log import LogFileError, TuningLog
 from distune.worker_settings import SERVICE_TOKEN
@@ -68,27 +69,16 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="write the CSV log to DIR/distune_autotune_<random>.log",
     )
-    option(
-        "--max-samples",
-        metavar="N",
-        type=int,
-        default=defaults.max_samples,
-        help="at most N sampled groups per model (default: %(default)s)",
-    )
-    option(
-        "--sampling-confidence-time",
-        metavar="T",
-        type=float,
-        default=defaults.sampling_confidence_time,
-        help="seconds of reported time each group is measured (default: %(default)s)",
-    )
-    option(
-        "--warmup-time",
-        metavar="W",
-        type=float,
-        default=defaults.warmup_time,
-        help="seconds of reported time ignored at the start (default: %(default)s)",
-    )
+    for item, declaration in declared(TuningConfig):
+        if declaration.flag:
+            default = getattr(defaults, item.name)
+            option(
+                f"--{item.name.replace('_', '-')}",
+                metavar=declaration.metavar,
+                type=value_type(TuningConfig, item.name),
+                default=default,
+                help=declaration.help + ("" if default is None else " (default: %(default)s)"),
+            )
     option(
         "--fixed",
         nargs="+",
@@ -97,28 +87,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KNOB=VALUE",
         help="pin a knob for every model, e.g. bucket_size_2p=22 is_hierarchical_reduce=false",
     )
-    option(
-        "--default-bucket-size",
-        metavar="BYTES",
-        type=int,
-        default=defaults.default_bucket_size,
-        help="bytes of the default group's bucket (default: %(default)s)",
-    )
     option("--best-file", metavar="PATH", help="write the chosen groups as JSON to PATH")
-    option(
-        "--seed",
-        metavar="S",
-        type=int,
-        default=None,
-        help="seed the optimizers, for reproducible runs",
-    )
-    option(
-        "--max-models",
-        metavar="N",
-        type=int,
-        default=defaults.max_models,
-        help="how many models the service tunes at most (default: %(default)s)",
-    )
     option(
         "--threads", metavar="N", type=int, default=8, help="request threads (default: %(default)s)"
     )
@@ -133,15 +102,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> TuningConfig:
-    return TuningConfig(
-        max_samples=args.max_samples,
-        sampling_confidence_time=args.sampling_confidence_time,
-        warmup_time=args.warmup_time,
-        fixed=FixedKnobs.parse(args.fixed),
-        default_bucket_size=args.default_bucket_size,
-        seed=args.seed,
-        max_models=args.max_models,
-    )
+    flags = {item.name: getattr(args, item.name) for item, s in declared(TuningConfig) if s.flag}
+    return TuningConfig(**flags, fixed=FixedKnobs.parse(args.fixed))
 
 
 def _stop(signum: int, frame: FrameType | None) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distune.errors import DistuneError
 from distune.space import FixedKnobs
 from distune.tuning_service import best_file, tuning_log
 from distune.tuning_service.config import TuningConfig
@@ -33,11 +34,11 @@ from distune.tuning_service.tuning_log import TuningLog
 logger = logging.getLogger(__name__)
 
 
-class UnknownModelError(LookupError):
+class UnknownModelError(DistuneError, LookupError):
     """No model of that name is registered (HTTP 404)."""
 
 
-class RegistrationError(Exception):
+class RegistrationError(DistuneError):
     """A registration conflicts with the service's state (HTTP 409): the model is registered
     with other facts, or the service tracks as many models as it may."""
 

@@ -55,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from distune.errors import DistuneError
 from distune.space import FixedKnobs, Hyperparameters, ModelFacts, SearchSpace
 from distune.tuning_service.config import TuningConfig
 from distune.tuning_service.messages import Report, RequestError
@@ -217,7 +218,7 @@ class SessionView:
         }
 
 
-class StaleGroupError(Exception):
+class StaleGroupError(DistuneError):
     """A report names a group that is not current; it is counted and ignored."""
 
     def __init__(self, group_id: int, reply: Reply) -> None:

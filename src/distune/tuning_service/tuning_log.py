@@ -21,6 +21,7 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+from distune.errors import DistuneError
 from distune.tuning_service.session import SampleRecord
 
 #: The log's columns, Bagua's four first.
@@ -47,7 +48,7 @@ DEFAULT_PREFIX = "distune_autotune_"
 DEFAULT_SUFFIX = ".log"
 
 
-class LogFileError(OSError):
+class LogFileError(DistuneError, OSError):
     """The log file cannot be created where asked; the message says why."""
 
 

@@ -1,15 +1,16 @@
-"""``distune.DistributedDataParallel``: torch DDP's common usage, with tunable communication.
+"""``distune.DistributedDataParallel``: torch DDP's usage and arguments, tunable communication.
 
-Which group a model starts on (the same rule the service applies, so the job runs the service's
-default group before any HTTP answer arrives):
+Construction, in order (collectives, so every rank runs the same steps): validate torch's
+arguments (:mod:`.torch_ddp_arguments`), learn the topology (:mod:`.topology`), plan the starting
+group (:mod:`.starting_group`), check that every rank wraps the same parameters and agree on
+rank 0's starting group (:mod:`.consistency`), broadcast rank 0's parameters and buffers
+(:mod:`.module_state`), build the reducer (:mod:`.reducer`) and, under ``distune-run
+--autotune_level 1``, the sync points and the leader's HTTP thread (:mod:`.sync`,
+:mod:`.leader_client`, named per :mod:`.model_names`). ``join()`` is :mod:`.join`.
 
-1. a constructor argument that is not ``None`` (``bucket_size`` in bytes, ``hierarchical``) pins
-   that knob for this model; the leader sends it to the service as register's ``fixed``;
-2. otherwise ``DISTUNE_BUCKET_SIZE`` / ``DISTUNE_HIERARCHICAL_REDUCE`` pin it job-wide (the
-   launcher gives the service the same knobs as ``--fixed``);
-3. the rest comes from ``SearchSpace.for_model(facts, fixed, DISTUNE_DEFAULT_BUCKET_SIZE).default``.
-
-Bucket sizes in bytes are rounded to the nearest power of two (``space.bucket_size_2p_for``).
+Nothing here refers back to the wrapper (the reducer's hooks hold it weakly, the sync points
+return decisions rather than call back), so a dropped wrapper is freed at once by reference
+counting, on every rank alike, and its leader thread is closed.
 """
 
 from __future__ import annotations
@@ -22,44 +23,47 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from distune.space import (
-    FixedKnobs,
-    Hyperparameters,
-    ModelFacts,
-    SearchSpace,
-    bucket_size_2p_for,
-)
+from distune.space import Hyperparameters
+from distune.worker_runtime.consistency import agree_on_model
+from distune.worker_runtime.join import DistributedDataParallelJoinHook, forward_agreement
 from distune.worker_runtime.leader_client import LeaderClient, check_model_name
+from distune.worker_runtime.model_names import NAMES_IN_USE, tuning_name
+from distune.worker_runtime.module_state import BufferBroadcast, broadcast_module_state
 from distune.worker_runtime.reducer import Reducer
+from distune.worker_runtime.starting_group import StartingGroup
 from distune.worker_runtime.sync import SyncPoints
-from distune.worker_runtime.topology import HierarchicalGroups, Topology, discover
+from distune.worker_runtime.topology import HierarchicalProcessGroups, Topology, discover
+from distune.worker_runtime.torch_ddp_arguments import TorchDDPArguments
 from distune.worker_settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
-#: Largest single broadcast when syncing module state at construction.
-_BROADCAST_CHUNK_BYTES = 64 * 2**20
+#: What is not pickled (process groups, hooks, threads): rebuilt by ``__setstate__``.
+_RUNTIME = ("process_group", "_reducer", "_sync", "_name_claim", "_buffer_broadcast")
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data-parallel wrapper whose gradient bucket size and allreduce shape can change online.
 
     Use it as ``torch.nn.parallel.DistributedDataParallel``: construct it after
     ``torch.distributed.init_process_group`` on every rank, call it for the forward, call
     ``backward()`` on the loss (it returns with gradients averaged over the ranks) and step the
-    optimizer. Parameters and buffers are broadcast from rank 0 at construction. The wrapped
-    module is ``.module``, so ``state_dict()`` keys carry torch DDP's ``module.`` prefix.
+    optimizer. Parameters and buffers are broadcast from rank 0 at construction, buffers again
+    before each forward that averages. The wrapped module is ``.module``, so ``state_dict()``
+    keys carry torch DDP's ``module.`` prefix.
 
     Args:
         module: the model; all its parameters on one device (CPU or one GPU).
+        device_ids, output_device, dim, broadcast_buffers, init_sync, process_group,
+        bucket_cap_mb, find_unused_parameters, check_reduction, gradient_as_bucket_view,
+        static_graph: torch DDP's, in torch's order: see :mod:`.torch_ddp_arguments` for what
+            each does here.
         name: the model's name for the tuning service (1-64 of ``[A-Za-z0-9._-]``); give each
             wrapped model of a job its own.
         bucket_size: pin the bucket size (bytes, rounded to a power of two); not tuned.
         hierarchical: pin hierarchical allreduce on or off; not tuned.
-        process_group: the group to average over (default: the whole job).
-        device_ids: as torch DDP's: ``None`` for CPU modules, ``[device]`` for a GPU module
-            (its parameters must already be on that device).
 
     Under ``distune-run --autotune_level 1`` (``DISTUNE_SERVICE_URL`` set), the model tunes
     itself: see :mod:`distune.worker_runtime.sync`. Otherwise it keeps its starting group.
@@ -68,119 +72,148 @@ class DistributedDataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
+        device_ids: Sequence[int | str | torch.device] | None = None,
+        output_device: int | str | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool = True,
+        init_sync: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        *,
         name: str = "model0",
         bucket_size: int | None = None,
         hierarchical: bool | None = None,
-        process_group: dist.ProcessGroup | None = None,
-        device_ids: Sequence[int | torch.device] | None = None,
     ) -> None:
         super().__init__()
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                "distune.DistributedDataParallel needs torch.distributed to be initialized: call "
-                "torch.distributed.init_process_group(backend='gloo' or 'nccl') first "
-                "(distune-run and torchrun set the environment it reads)"
-            )
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        Joinable.__init__(self)
+        named = _trainable(module)
         check_model_name(name)
         if hierarchical is not None and not isinstance(hierarchical, bool):
             raise TypeError(f"hierarchical must be True, False or None, got {hierarchical!r}")
-        settings = WorkerSettings.from_env()
+        arguments = TorchDDPArguments.check(
+            [p for _, p in named],
+            device_ids=device_ids,
+            output_device=output_device,
+            dim=dim,
+            broadcast_buffers=broadcast_buffers,
+            init_sync=init_sync,
+            bucket_cap_mb=bucket_cap_mb,
+            bucket_size=bucket_size,
+            flags={
+                "find_unused_parameters": find_unused_parameters,
+                "check_reduction": check_reduction,
+                "gradient_as_bucket_view": gradient_as_bucket_view,
+                "static_graph": static_graph,
+            },
+        )
         self.module = module
         self.name = name
         self.process_group = dist.group.WORLD if process_group is None else process_group
+        self.device = arguments.device
+        self.broadcast_buffers = arguments.broadcast_buffers
         #: torch DDP's flag: False inside :meth:`no_sync`.
         self.require_backward_grad_sync = True
-
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError(
-                "the module has no parameter that requires a gradient: there is nothing to "
-                "average, so it needs no DistributedDataParallel"
-            )
-        device = _single_device([p for _, p in named], device_ids)
         backend = str(dist.get_backend(self.process_group))
-        # Small collectives (topology, sync points) need CUDA tensors under NCCL.
-        self._comm_device = device if "nccl" in backend else torch.device("cpu")
+        # Small collectives (topology, sync points, join) need CUDA tensors under NCCL.
+        self._comm_device = self.device if "nccl" in backend else torch.device("cpu")
+        self.topology = self._discover_topology()
+        settings = WorkerSettings.from_env()
+        start = StartingGroup.plan(
+            self.topology,
+            sum(p.numel() * p.element_size() for _, p in named),
+            arguments.bucket_size,
+            hierarchical,
+            settings,
+        )
+        hyperparameters = agree_on_model(self.process_group, named, start.space.default)
+        if arguments.init_sync:
+            broadcast_module_state(module, self.process_group)
+        process_groups = (
+            HierarchicalProcessGroups.build(self.topology, self.process_group)
+            if self.topology.hierarchical_possible
+            else None
+        )
+        self._attach_runtime(named, hyperparameters, process_groups)
+        if settings.tuning:
+            self._start_tuning(settings, start, hyperparameters)
+        self._log_start(len(named), start, settings.tuning)
 
-        _broadcast_state(module, self.process_group)
+    def _discover_topology(self) -> Topology:
         topology = discover(self.process_group, self._comm_device)
         spans_job = dist.get_world_size(self.process_group) == dist.get_world_size()
         if topology.hierarchical_possible and not spans_job:
             # Hierarchical groups are created by the whole job; a subgroup averages flat only.
             topology = topology.as_single_rank_nodes()
-        gradient_bytes = sum(p.numel() * p.element_size() for _, p in named)
-        facts = ModelFacts(
-            topology.world_size, topology.nnodes, topology.local_world_size, gradient_bytes
-        )
-        pinned = FixedKnobs(
-            None if bucket_size is None else bucket_size_2p_for(bucket_size), hierarchical
-        )
-        fixed = FixedKnobs(
-            _first(
-                pinned.bucket_size_2p,
-                None if settings.bucket_size is None else bucket_size_2p_for(settings.bucket_size),
-            ),
-            _first(pinned.is_hierarchical_reduce, settings.hierarchical_reduce),
-        )
-        space = SearchSpace.for_model(facts, fixed, settings.default_bucket_size)
-        if fixed.is_hierarchical_reduce and not topology.hierarchical_possible:
-            logger.info(
-                "hierarchical allreduce asked for, but with %d node(s) of %d rank(s) it is flat "
-                "allreduce: running flat",
-                topology.nnodes,
-                topology.local_world_size,
-            )
-        self.topology: Topology = topology
-        groups = (
-            HierarchicalGroups.build(topology, self.process_group)
-            if topology.hierarchical_possible
-            else None
-        )
-        self._reducer = Reducer(
+        return topology
+
+    def _attach_runtime(
+        self,
+        named: list[tuple[str, nn.Parameter]],
+        hyperparameters: Hyperparameters,
+        process_groups: HierarchicalProcessGroups | None,
+    ) -> None:
+        """The parts that hold process groups and hooks (rebuilt by ``__setstate__``)."""
+        self._reducer: Reducer | None = Reducer(
             [p for _, p in named],
             [n for n, _ in named],
             self.process_group,
-            space.default,
-            groups,
+            hyperparameters,
+            process_groups,
             self._comm_device,
+            self.module,
         )
+        self._buffer_broadcast = BufferBroadcast(self.module, self.process_group)
         self._sync: SyncPoints | None = None
-        if settings.tuning:
-            client = None
-            if topology.rank == 0:
-                assert settings.service_url is not None
-                client = LeaderClient(
-                    settings.service_url, settings.service_token, name, facts, pinned, space
-                )
-                client.start()
-            self._sync = SyncPoints(
-                self.process_group,
-                self._comm_device,
-                client,
-                space.default,
-                settings.sync_interval,
-                self._reducer.rebuild,
+        self._name_claim: object | None = None
+
+    def _start_tuning(
+        self, settings: WorkerSettings, start: StartingGroup, hyperparameters: Hyperparameters
+    ) -> None:
+        assert self._reducer is not None
+        session = tuning_name(self.name, self.process_group)
+        client = None
+        if self.topology.rank == 0:
+            assert settings.service_url is not None
+            client = LeaderClient(
+                settings.service_url,
+                settings.service_token,
+                session,
+                start.facts,
+                start.pinned,
+                start.space,
             )
-            self._reducer.on_iteration = self._sync.after_iteration
-        if topology.rank == 0:
+        self._sync = SyncPoints(
+            self.process_group, self._comm_device, client, hyperparameters, settings.sync_interval
+        )
+        self._name_claim = NAMES_IN_USE.claim(session, self._reducer.params, self._sync.stop)
+        self._reducer.on_iteration = self._sync.after_iteration
+        if client is not None:
+            client.start()
+
+    def _log_start(self, parameters: int, start: StartingGroup, tuning: bool) -> None:
+        if self.topology.rank == 0:
             logger.info(
                 "model %r: %d parameter(s), %d gradient bytes, %d node(s) x %d rank(s); starts "
                 "on %s; %s",
-                name,
-                len(named),
-                gradient_bytes,
-                topology.nnodes,
-                topology.local_world_size,
-                space.default.describe(),
-                "tuning online" if settings.tuning else "not tuning",
+                self.name,
+                parameters,
+                start.facts.gradient_bytes,
+                self.topology.nnodes,
+                self.topology.local_world_size,
+                self.hyperparameters.describe(),
+                "tuning online" if tuning else "not tuning",
             )
+
+    # -- distune's own ---------------------------------------------------------------------
 
     @property
     def hyperparameters(self) -> Hyperparameters:
-        """The group in use: bucket size exponent and allreduce shape."""
-        return self._reducer.hyperparameters
+        """The group in use, as it runs: bucket size exponent and allreduce shape."""
+        return self._runtime().hyperparameters
 
     def set_hyperparameters(self, hyperparameters: Hyperparameters) -> None:
         """Switch to ``hyperparameters`` before the next forward.
@@ -188,6 +221,7 @@ class DistributedDataParallel(nn.Module):
         A collective in effect: every rank must call it at the same iteration, with the same
         value, between iterations. If the model was tuning itself, tuning stops for it (on
         every rank at once, since all call this together): an explicit choice wins.
+        Hierarchical allreduce where the topology has no use for it runs (and reads) flat.
         """
         if not isinstance(hyperparameters, Hyperparameters):
             raise TypeError(
@@ -196,7 +230,18 @@ class DistributedDataParallel(nn.Module):
         if self._sync is not None and not self._sync.stopped:
             logger.info("set_hyperparameters: model %r stops tuning", self.name)
             self._sync.stop()
-        self._reducer.rebuild(hyperparameters)
+        reducer = self._runtime()
+        reducer.rebuild(hyperparameters)
+        if reducer.hyperparameters != hyperparameters:
+            logger.info(
+                "set_hyperparameters: hierarchical allreduce on %d node(s) of %d rank(s) is "
+                "flat allreduce: running %s",
+                self.topology.nnodes,
+                self.topology.local_world_size,
+                reducer.hyperparameters.describe(),
+            )
+
+    # -- torch DDP's -------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -213,67 +258,105 @@ class DistributedDataParallel(nn.Module):
         """Run the wrapped module; gradients of the coming backward are averaged unless the
         forward ran under :meth:`no_sync`."""
         if torch.is_grad_enabled():
-            self._reducer.prepare_for_forward(self.require_backward_grad_sync)
+            reducer = self._runtime()
+            averages = self.require_backward_grad_sync
+            source = 0
+            if self._join_config.enable:
+                Join.notify_join_context(self)
+                averages, source = forward_agreement(
+                    self.process_group, self._comm_device, averages
+                )
+            if averages and self.broadcast_buffers:
+                self._buffer_broadcast(source)
+            reducer.prepare_for_forward(self.require_backward_grad_sync)
         return self.module(*args, **kwargs)
 
-
-def _first(*values: Any) -> Any:
-    return next((v for v in values if v is not None), None)
-
-
-def _single_device(
-    params: list[torch.Tensor], device_ids: Sequence[int | torch.device] | None
-) -> torch.device:
-    devices = {p.device for p in params}
-    if len(devices) != 1:
-        raise ValueError(
-            f"all parameters must be on one device, found {sorted(map(str, devices))}; "
-            "distune averages single-device modules"
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """torch DDP's context manager for uneven inputs: see :mod:`.join`."""
+        _check_divide(divide_by_initial_world_size)
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
         )
-    (device,) = devices
-    if device_ids is None:
-        return device
-    if len(device_ids) != 1:
-        raise ValueError(f"device_ids must list exactly one device, got {list(device_ids)}")
-    (wanted,) = device_ids
-    wanted = torch.device("cuda", wanted) if isinstance(wanted, int) else torch.device(wanted)
-    if device != wanted:
-        raise ValueError(
-            f"device_ids={list(device_ids)} but the module's parameters are on {device}: move "
-            "the module to that device first, or pass device_ids=None for a CPU module"
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook ``torch.distributed.algorithms.join.Join`` runs on a joined rank."""
+        _check_divide(kwargs.get("divide_by_initial_world_size", True))
+        return DistributedDataParallelJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where join's collectives run."""
+        return self._comm_device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        """The group join's collectives run over."""
+        return self.process_group
+
+    # -- copies --------------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """As torch DDP: the state without process groups, hooks and threads (a copy made by
+        ``copy.deepcopy``, ``pickle`` or ``torch.save`` averages over the default group, flat,
+        with the same bucket size, and does not tune)."""
+        state = {k: v for k, v in self.__dict__.items() if k not in _RUNTIME}
+        reducer = self.__dict__.get("_reducer")
+        state["_saved_hyperparameters"] = (
+            state.get("_saved_hyperparameters") if reducer is None else reducer.hyperparameters
         )
-    return device
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.process_group = None
+        self._reducer = self._sync = self._name_claim = None
+        self._buffer_broadcast = None
+        if dist.is_available() and dist.is_initialized():
+            self.process_group = dist.group.WORLD
+            saved: Hyperparameters = state["_saved_hyperparameters"]
+            self._attach_runtime(
+                _trainable(self.module), Hyperparameters(saved.bucket_size_2p, False), None
+            )
+
+    def _runtime(self) -> Reducer:
+        if self._reducer is None:
+            raise RuntimeError(
+                "this DistributedDataParallel was loaded where torch.distributed is not "
+                "initialized: it can run forwards without gradients (inference); to train, "
+                "call init_process_group first, or load and wrap its .module"
+            )
+        return self._reducer
 
 
-def _chunks(tensors: list[torch.Tensor], limit: int) -> Iterator[list[torch.Tensor]]:
-    chunk: list[torch.Tensor] = []
-    size = 0
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if chunk and size + nbytes > limit:
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(tensor)
-        size += nbytes
-    if chunk:
-        yield chunk
+def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "distune.DistributedDataParallel needs torch.distributed to be initialized: call "
+            "torch.distributed.init_process_group(backend='gloo' or 'nccl') first "
+            "(distune-run and torchrun set the environment it reads)"
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError(
+            "the module has no parameter that requires a gradient: there is nothing to "
+            "average, so it needs no DistributedDataParallel"
+        )
+    return named
 
 
-@torch.no_grad()
-def _broadcast_state(module: nn.Module, process_group: dist.ProcessGroup) -> None:
-    """Copy rank 0's parameters and buffers to every rank, a few large broadcasts per dtype."""
-    if dist.get_world_size(process_group) == 1:
-        return
-    src = dist.get_global_rank(process_group, 0)
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for tensor in [*module.parameters(), *module.buffers()]:
-        if tensor.numel() > 0:
-            by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    for group in by_kind.values():
-        for chunk in _chunks(group, _BROADCAST_CHUNK_BYTES):
-            flat = torch.cat([t.reshape(-1) for t in chunk])
-            dist.broadcast(flat, src=src, group=process_group)
-            offset = 0
-            for tensor in chunk:
-                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-                offset += tensor.numel()
+def _check_divide(divide_by_initial_world_size: object) -> None:
+    if divide_by_initial_world_size is not True:
+        raise ValueError(
+            "divide_by_initial_world_size must be True: distune divides gradients before the "
+            "sum, by the initial world size (torch's default); joined ranks add zeros"
+        )

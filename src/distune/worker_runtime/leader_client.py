@@ -12,6 +12,11 @@ after a switch, and its body carries the current group. Anything else that is no
 (no connection, a timeout, a 5xx, a 401, a body that is not the expected JSON) is a failure: the
 window is dropped, one warning is logged for the outage (not one per window), and the thread
 retries with exponential back-off until the service answers again.
+
+A 409 answer to a registration is a refusal, not a failure: the service already tunes a model of
+that name with other facts (two models, or two data-parallel groups, under one name). Retrying
+cannot help, so the service's message is logged once as a warning, the thread ends, and
+:attr:`LeaderClient.refused` tells the sync points to stop tuning this model.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from urllib.parse import quote
 
 import requests
 
+from distune.errors import DistuneError, ServiceError
 from distune.space import (
     MODEL_NAME_RULE,
     FixedKnobs,
@@ -79,10 +85,6 @@ class WindowReport:
         }
 
 
-class ServiceError(Exception):
-    """The service did not give a usable answer; the message says how (never the token)."""
-
-
 @dataclass(frozen=True)
 class ClientConfig:
     """Timeouts and back-off of the leader's HTTP conversation."""
@@ -129,6 +131,7 @@ class LeaderClient:
         self._lock = threading.Lock()
         self._latest: ServiceAnswer | None = None
         self._stop = threading.Event()
+        self._refused = threading.Event()
         self._healthy = True
         self._thread = threading.Thread(
             target=self._run, name=f"distune-leader-{name}", daemon=True
@@ -160,6 +163,11 @@ class LeaderClient:
         self._stop.set()
 
     @property
+    def refused(self) -> bool:
+        """Whether the service refused to register the model (it is not tuned)."""
+        return self._refused.is_set()
+
+    @property
     def alive(self) -> bool:
         """Whether the background thread is running."""
         return self._thread.is_alive()
@@ -182,6 +190,17 @@ class LeaderClient:
                         except queue.Empty:
                             continue
                         registered = self._post_report(session, report)
+                except _Refused as refusal:
+                    logger.warning(
+                        "tuning service at %s refused model %r: %s; this model is not tuned "
+                        "(it keeps %s)",
+                        self._url,
+                        self._name,
+                        refusal,
+                        self._space.default.describe(),
+                    )
+                    self._refused.set()
+                    return
                 except ServiceError as error:
                     self._failed(str(error))
                     self._stop.wait(delay)
@@ -216,6 +235,8 @@ class LeaderClient:
             raise ServiceError("refused the token (401): check DISTUNE_SERVICE_TOKEN")
         if response.status_code == 404 and action == "report":
             raise _Unknown()
+        if response.status_code == 409 and action == "register":
+            raise _Refused(_error_message(response))
         # 409: the report's group is no longer current; the body carries the current one.
         if response.status_code not in (200, 409):
             raise ServiceError(f"answered {action} with HTTP {response.status_code}")
@@ -271,5 +292,18 @@ class LeaderClient:
             logger.warning("tuning service at %s answers again", self._url)
 
 
-class _Unknown(Exception):
+class _Unknown(DistuneError):
     """The service does not know the model (404 to a report)."""
+
+
+class _Refused(Exception):
+    """The service refused the registration (409); the message is the service's."""
+
+
+def _error_message(response: requests.Response) -> str:
+    """The ``error`` of a REST error body, or a note that the body had none."""
+    try:
+        error = response.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {response.status_code} without an error message"
+    return str(error)

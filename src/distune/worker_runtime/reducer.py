@@ -42,15 +42,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distune.errors import DistuneError
 from distune.space import Hyperparameters
 from distune.worker_runtime.buckets import Bucket, Slot, assign_buckets
-from distune.worker_runtime.topology import HierarchicalGroups
+from distune.worker_runtime.topology import HierarchicalProcessGroups
 
 #: Gradients of at least this many elements are divided while copied into their bucket.
 FUSED_DIVISION_MIN_NUMEL = 4096
 
 
-class ReductionError(RuntimeError):
+class ReductionError(DistuneError, RuntimeError):
     """Gradients cannot be averaged as asked; the message names the parameters concerned."""
 
 
@@ -58,11 +59,11 @@ class _FlatAllreduce:
     """One allreduce per bucket over the whole process group."""
 
     def __init__(self, process_group: dist.ProcessGroup) -> None:
-        self._group = process_group
+        self._process_group = process_group
 
-    def start(self, bucket: Bucket) -> Any:
+    def start(self, flat: torch.Tensor) -> Any:
         # On CUDA, NCCL's stream waits for the current stream (where the gradient was made).
-        return dist.all_reduce(bucket.flat, group=self._group, async_op=True)
+        return dist.all_reduce(flat, group=self._process_group, async_op=True)
 
     def finish(self, handles: list[Any]) -> None:
         # gloo: blocks the host until done. NCCL: makes the current stream wait.
@@ -79,8 +80,8 @@ class _HierarchicalAllreduce:
     so the chains run in one worker thread, bucket after bucket in launch order.
     """
 
-    def __init__(self, groups: HierarchicalGroups, device: torch.device) -> None:
-        self._groups = groups
+    def __init__(self, process_groups: HierarchicalProcessGroups, device: torch.device) -> None:
+        self._process_groups = process_groups
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._executor = (
             ThreadPoolExecutor(1, thread_name_prefix="distune-hierarchical")
@@ -89,19 +90,19 @@ class _HierarchicalAllreduce:
         )
 
     def _chain(self, flat: torch.Tensor) -> None:
-        groups = self._groups
-        dist.reduce(flat, dst=groups.leader, group=groups.intra)
-        if groups.leaders is not None:
-            dist.all_reduce(flat, group=groups.leaders)
-        dist.broadcast(flat, src=groups.leader, group=groups.intra)
+        process_groups = self._process_groups
+        dist.reduce(flat, dst=process_groups.leader, group=process_groups.intra)
+        if process_groups.leaders is not None:
+            dist.all_reduce(flat, group=process_groups.leaders)
+        dist.broadcast(flat, src=process_groups.leader, group=process_groups.intra)
 
-    def start(self, bucket: Bucket) -> Future[None] | None:
+    def start(self, flat: torch.Tensor) -> Future[None] | None:
         if self._executor is not None:
-            return self._executor.submit(self._chain, bucket.flat)
+            return self._executor.submit(self._chain, flat)
         assert self._stream is not None
-        self._stream.wait_stream(torch.cuda.current_stream(bucket.flat.device))
+        self._stream.wait_stream(torch.cuda.current_stream(flat.device))
         with torch.cuda.stream(self._stream):
-            self._chain(bucket.flat)
+            self._chain(flat)
         return None
 
     def finish(self, handles: list[Any]) -> None:
@@ -130,12 +131,31 @@ def _release(handles: list[Any], hierarchical: _HierarchicalAllreduce | None) ->
         hierarchical.close()
 
 
+def _inside_outer_backward() -> bool:
+    """Whether autograd is running a node of an enclosing backward on this thread: true in
+    the end-of-backward callback of a backward nested in another (reentrant checkpointing)."""
+    return torch._C._current_autograd_node() is not None
+
+
+#: What runs after each synchronised backward: given the iteration count, the hyperparameters
+#: to switch to before the next forward, or ``None`` to keep the current ones.
+IterationHook = Callable[[int], Hyperparameters | None]
+
+
 class Reducer:
     """Averages the gradients of ``params`` over ``process_group`` during each backward.
 
-    ``names[i]`` names ``params[i]`` in error messages. ``groups`` are the hierarchical process
-    groups, or ``None`` where the topology has no use for them (hierarchical then runs flat,
-    which it is equivalent to). ``device`` is where small collectives run (CUDA for NCCL).
+    ``names[i]`` names ``params[i]`` in error messages. ``process_groups`` are the hierarchical
+    process groups, or ``None`` where the topology has no use for them (hierarchical then runs
+    flat, which it is equivalent to, and :attr:`hyperparameters` says flat). ``device`` is where
+    small collectives run (CUDA for NCCL). ``module``, when given, is the module ``params`` came
+    from: if it later holds a trainable parameter the reducer does not average (a submodule
+    replaced after wrapping), the next backward that leaves a parameter without gradient raises.
+
+    A backward is averaged only if a forward armed the reducer (:meth:`prepare_for_forward`
+    outside ``no_sync``) since the last averaged backward, as torch DDP's reducer expects its
+    hooks only after its own forward: a backward through the bare module, or through another
+    wrapper of the same parameters, leaves these gradients alone.
     """
 
     def __init__(
@@ -144,15 +164,16 @@ class Reducer:
         names: Sequence[str],
         process_group: dist.ProcessGroup,
         hyperparameters: Hyperparameters,
-        groups: HierarchicalGroups | None,
+        process_groups: HierarchicalProcessGroups | None,
         device: torch.device,
+        module: torch.nn.Module | None = None,
     ) -> None:
         self._params = list(params)
         self._names = list(names)
-        self._group = process_group
+        self._process_group = process_group
         self._world_size = dist.get_world_size(process_group)
-        self._groups = groups
         self._device = device
+        self._module = None if module is None else weakref.ref(module)
         self._sizes = [p.numel() * p.element_size() for p in self._params]
         self._keys = [(p.dtype, p.device) for p in self._params]
         # Launch order guess until the first backward tells: reverse registration order.
@@ -166,17 +187,18 @@ class Reducer:
         self._keep_spares = self._params[0].device.type == "cpu"
         self._spares: list[torch.Tensor] = []
         self._lock = threading.Lock()
-        #: Whether the next backward averages gradients (False under ``no_sync``).
-        self.sync_next_backward = True
+        #: Whether the coming backward averages gradients (a forward outside no_sync armed it).
+        self.armed = False
         #: Synchronised backward passes completed: the iteration count sync points refer to.
         self.iterations = 0
-        #: Called with :attr:`iterations` after each synchronised backward, outside the lock.
-        self.on_iteration: Callable[[int], None] | None = None
+        #: Runs after each synchronised backward, outside the lock (see :data:`IterationHook`).
+        self.on_iteration: IterationHook | None = None
         self._flat = _FlatAllreduce(process_group)
         self._hierarchical = (
-            _HierarchicalAllreduce(groups, self._params[0].device) if groups is not None else None
+            _HierarchicalAllreduce(process_groups, self._params[0].device)
+            if process_groups is not None
+            else None
         )
-        self._hyperparameters = hyperparameters
         self._build(hyperparameters)
         self._reset_backward_state()
         handles = [
@@ -189,13 +211,19 @@ class Reducer:
 
     @property
     def hyperparameters(self) -> Hyperparameters:
-        """The group the buckets are built for."""
+        """The group the buckets are built for, as it runs: hierarchical only where the
+        topology has hierarchical process groups."""
         return self._hyperparameters
 
     @property
     def bucket_sizes(self) -> list[int]:
         """Gradient bytes of each bucket, in launch order."""
         return [bucket.nbytes for bucket in self._buckets]
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The parameters averaged, in registration order."""
+        return list(self._params)
 
     def rebuild(self, hyperparameters: Hyperparameters) -> None:
         """Rebuild the buckets (and pick the allreduce shape) for ``hyperparameters``.
@@ -205,7 +233,6 @@ class Reducer:
         """
         with self._lock:
             self._check_idle("change hyperparameters")
-            self._hyperparameters = hyperparameters
             self._build(hyperparameters)
             self._reset_backward_state()
 
@@ -226,11 +253,13 @@ class Reducer:
                         param.grad = view
         hierarchical = hyperparameters.is_hierarchical_reduce and self._hierarchical is not None
         self._strategy = self._hierarchical if hierarchical else self._flat
+        self._hyperparameters = Hyperparameters(hyperparameters.bucket_size_2p, hierarchical)
 
     # -- one backward ----------------------------------------------------------------------
 
     def _reset_backward_state(self) -> None:
         self._active = False
+        self._end_deferred = False
         self._ready = [False] * len(self._params)
         self._pending = [len(members) for members in self._members]
         self._next_bucket = 0
@@ -241,6 +270,13 @@ class Reducer:
         self._stream: Any = None
 
     def _check_idle(self, action: str) -> None:
+        if self._end_deferred:
+            raise ReductionError(
+                f"cannot {action}: the previous backward ended inside reentrant activation "
+                "checkpointing (torch.utils.checkpoint with use_reentrant=True) while some "
+                "parameters had no gradient yet, so its averaging never finished; use "
+                "use_reentrant=False, or make every parameter take part in each backward"
+            )
         if self._active:
             raise ReductionError(
                 f"cannot {action}: the previous backward's gradient averaging did not finish "
@@ -248,23 +284,33 @@ class Reducer:
             )
 
     def prepare_for_forward(self, sync: bool) -> None:
-        """Note whether the coming backward averages gradients, as torch DDP decides it at
-        forward time; raise if the previous backward was left half done."""
+        """Arm the reducer for the coming backward if ``sync`` (a forward outside no_sync), as
+        torch DDP decides it at forward time; raise if the previous backward was left half done.
+
+        A forward inside no_sync does not disarm: after ``a = model(x)`` and, inside no_sync,
+        ``b = model(y)``, ``(a + b).backward()`` is averaged, as with torch DDP.
+        """
         with self._lock:
             self._check_idle("start a forward")
-            self.sync_next_backward = sync
+            if sync:
+                self.armed = True
             self._spares = []
 
     def _grad_ready(self, index: int) -> None:
         with self._lock:
-            if not self.sync_next_backward:
-                return  # no_sync: gradients accumulate where they are
+            if not self.armed:
+                return  # no_sync, or a backward this wrapper's forward did not arm
             if not self._active:
                 self._begin_backward()
+            elif self._end_deferred:
+                # The first part ended inside a reentrant backward: end with this one instead.
+                self._end_deferred = False
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             if self._ready[index]:
                 raise ReductionError(
                     f"parameter {self._names[index]!r} received its gradient twice in one "
-                    "backward (reentrant activation checkpointing is not supported)"
+                    "backward (a parameter used in several reentrant checkpoints is not "
+                    "supported: use torch.utils.checkpoint with use_reentrant=False)"
                 )
             if self._params[index].grad.is_sparse:
                 raise ReductionError(
@@ -333,9 +379,16 @@ class Reducer:
                         runs.append([start, end])
             for start, end in runs:
                 bucket.grads[start:end].div_(self._world_size)
-        self._handles.append(self._strategy.start(bucket))
+        self._handles.append(self._strategy.start(bucket.flat))
 
     def _end_backward(self) -> None:
+        if not all(self._ready) and _inside_outer_backward():
+            # A backward nested in another (reentrant checkpointing) ended, and parameters
+            # outside it are still to come in the enclosing backward: the next of their hooks
+            # queues this callback again, on the enclosing backward. One reduction per backward.
+            with self._lock:
+                self._end_deferred = True
+            return
         stream = self._stream
         guard = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with self._lock, guard:
@@ -344,15 +397,23 @@ class Reducer:
             finally:
                 ready_order = self._ready_order
                 self._reset_backward_state()
+                self.armed = False
             self.iterations += 1
+        self._after_iteration(ready_order)
+
+    def _after_iteration(self, ready_order: list[int]) -> None:
         if not self._order_known:
             self._learn_order(ready_order)
         if self.on_iteration is not None:
-            self.on_iteration(self.iterations)
+            switch = self.on_iteration(self.iterations)
+            if switch is not None:
+                self.rebuild(switch)
 
     def _finish_reduction(self) -> None:
         # Parameters without a gradient in this backward: contribute .grad as it is (zeros if
         # None), in an order every rank shares, so the last buckets launch everywhere.
+        if not all(self._ready):
+            self._check_module_unchanged()
         for index in range(len(self._params)):
             if self._ready[index]:
                 continue
@@ -362,19 +423,53 @@ class Reducer:
         for b, slots in self._absent.items():
             bucket = self._buckets[b]
             for k in slots:
-                # Reads back one flag (a host sync on CUDA), only for parameters absent here.
-                if bucket.flags[k].item() > 0:
+                # Reads back one flag (a host sync on CUDA), only for parameters absent here;
+                # .real: a complex bucket's flags are complex.
+                if bucket.flags[k].real.item() > 0:
                     self._params[self._members[b][k]].grad = bucket.views[k]
+
+    def _check_module_unchanged(self) -> None:
+        module = None if self._module is None else self._module()
+        if module is None:
+            return
+        known = {id(p) for p in self._params}
+        added = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in known]
+        if added:
+            raise ReductionError(
+                f"the module has trainable parameters it did not have when it was wrapped "
+                f"({', '.join(added[:5])}{', ...' if len(added) > 5 else ''}): a submodule "
+                "replaced (or a parameter unfrozen) after wrapping would train without "
+                "averaging. Wrap the module again: distune.DistributedDataParallel(model.module)"
+            )
 
     def _learn_order(self, ready_order: list[int]) -> None:
         """Adopt rank 0's order of gradient readiness (a collective, once)."""
+        if not ready_order:
+            ready_order = self._order  # a joined rank's shadow backward: the guess
         order = torch.tensor(ready_order, dtype=torch.int64, device=self._device)
-        dist.broadcast(order, src=dist.get_global_rank(self._group, 0), group=self._group)
+        dist.broadcast(
+            order, src=dist.get_global_rank(self._process_group, 0), group=self._process_group
+        )
         self._order_known = True
         learned = order.tolist()
         if learned != self._order:
             self._order = learned
             self.rebuild(self._hyperparameters)
+
+    # -- uneven inputs ---------------------------------------------------------------------
+
+    def shadow_backward(self) -> None:
+        """On a rank that has run out of inputs (see :mod:`.join`): join the collectives of
+        one synchronised backward of the other ranks with zeros (no gradient, no used flag),
+        leaving this rank's gradients alone; the iteration counts, as on the others."""
+        with self._lock:
+            self._check_idle("shadow a backward")
+            handles = [
+                self._strategy.start(torch.zeros_like(bucket.flat)) for bucket in self._buckets
+            ]
+            self._strategy.finish(handles)
+            self.iterations += 1
+        self._after_iteration([])
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -120,8 +120,10 @@ class SyncPoints:
 
     :meth:`after_iteration` runs at the end of every synchronised backward. The first one opens
     the first window (one iteration long); at each sync point the window closes, the ranks
-    agree, the leader hands the window to its ``client``, and ``apply`` switches every rank to
-    the decided hyperparameters. ``client`` is set on the leader only.
+    agree, the leader hands the window to its ``client``, and every rank returns the decided
+    hyperparameters for its reducer to switch to. ``client`` is set on the leader only; it is
+    closed when tuning stops or this object is dropped (nothing here refers back to the
+    reducer or the wrapper, so a dropped wrapper is freed at once, on every rank alike).
     """
 
     def __init__(
@@ -131,14 +133,14 @@ class SyncPoints:
         client: LeaderClient | None,
         hyperparameters: Hyperparameters,
         sync_interval: float,
-        apply: Callable[[Hyperparameters], None],
     ) -> None:
-        self._group = process_group
+        self._process_group = process_group
         self._device = device
         self._client = client
         self._hyperparameters = hyperparameters
         self._sync_interval = sync_interval
-        self._apply = apply
+        if client is not None:
+            weakref.finalize(self, client.close)
         self._meter = WindowMeter(device)
         self._group_id: int | None = None
         self._next_at: int | None = None
@@ -150,16 +152,17 @@ class SyncPoints:
         if self._client is not None:
             self._client.close()
 
-    def after_iteration(self, iteration: int) -> None:
-        """Called after synchronised backward number ``iteration`` on every rank."""
+    def after_iteration(self, iteration: int) -> Hyperparameters | None:
+        """Called after synchronised backward number ``iteration`` on every rank; returns the
+        hyperparameters to switch to before the next forward, or ``None`` to keep them."""
         if self.stopped:
-            return
+            return None
         if self._next_at is None:
             self._meter.start(iteration)
             self._next_at = iteration + 1
-            return
+            return None
         if iteration < self._next_at:
-            return
+            return None
         window = self._meter.stop(iteration)
         decision = None
         if self._client is not None:
@@ -172,9 +175,10 @@ class SyncPoints:
                 iterations_to_next=iterations_to_next(
                     window.seconds, window.iterations, self._sync_interval
                 ),
-                completed=answer is not None and answer.completed,
+                # A model the service refused is not tuned: every rank stops at this point.
+                completed=self._client.refused or (answer is not None and answer.completed),
             )
-        agreement = exchange(self._group, self._device, window.seconds, decision)
+        agreement = exchange(self._process_group, self._device, window.seconds, decision)
         if self._client is not None and self._group_id is not None:
             self._client.report(
                 WindowReport(
@@ -185,6 +189,7 @@ class SyncPoints:
                 )
             )
         agreed = agreement.decision
+        switch = None
         if agreed.hyperparameters != self._hyperparameters:
             logger.info(
                 "iteration %d: switching to %s (group %s)",
@@ -192,8 +197,7 @@ class SyncPoints:
                 agreed.hyperparameters.describe(),
                 agreed.group_id,
             )
-            self._apply(agreed.hyperparameters)
-            self._hyperparameters = agreed.hyperparameters
+            switch = self._hyperparameters = agreed.hyperparameters
         self._group_id = agreed.group_id
         if agreed.completed:
             logger.info(
@@ -202,6 +206,7 @@ class SyncPoints:
                 iteration,
             )
             self.stop()
-            return
+            return switch
         self._next_at = iteration + agreed.iterations_to_next
         self._meter.start(iteration)
+        return switch

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distune.errors import DistuneError
+
 logger = logging.getLogger(__name__)
 
 #: Environment variables a launcher sets for every worker (torchrun's names).
@@ -24,7 +26,7 @@ NODE_VAR = "GROUP_RANK"
 LOCAL_RANK_VAR = "LOCAL_RANK"
 
 
-class TopologyError(RuntimeError):
+class TopologyError(DistuneError, RuntimeError):
     """The ranks reported an impossible topology; the message says what was reported."""
 
 
@@ -126,7 +128,7 @@ def _read_int(environ: Mapping[str, str], name: str) -> int:
 
 
 @dataclass(frozen=True)
-class HierarchicalGroups:
+class HierarchicalProcessGroups:
     """The process groups of hierarchical allreduce, as this rank sees them.
 
     ``intra`` holds the ranks of this rank's node and ``leader`` is the global rank of its
@@ -143,8 +145,10 @@ class HierarchicalGroups:
         return self.leaders is not None
 
     @classmethod
-    def build(cls, topology: Topology, process_group: dist.ProcessGroup) -> HierarchicalGroups:
-        """Create one group per node and one of the leaders: once, at construction.
+    def build(
+        cls, topology: Topology, process_group: dist.ProcessGroup
+    ) -> HierarchicalProcessGroups:
+        """Create one process group per node and one of the leaders: once, at construction.
 
         ``torch.distributed.new_group`` is collective over the whole job, so every rank creates
         every group, in the same order. ``process_group`` must span the whole job.
@@ -161,9 +165,9 @@ class HierarchicalGroups:
         leader = -1
         for node in topology.node_ids:
             members = topology.members(node)
-            group = dist.new_group(global_ranks(members))
+            node_process_group = dist.new_group(global_ranks(members))
             if topology.rank in members:
-                intra, leader = group, global_ranks(members)[0]
+                intra, leader = node_process_group, global_ranks(members)[0]
         leader_ranks = tuple(topology.members(node)[0] for node in topology.node_ids)
         leaders = dist.new_group(global_ranks(leader_ranks))
         assert intra is not None  # every rank is on some node

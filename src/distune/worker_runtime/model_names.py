@@ -1,0 +1,79 @@
+"""The name a wrapped model is tuned under, and the check that two live models do not share it.
+
+The service keeps one tuning session per name. Two sessions must never be fed by one name:
+
+* Two wrappers of one process with the same name (the default ``model0`` given twice) would
+  register twice with different facts; the service refuses the second (409). The name is
+  checked here first, at construction, with a message that says what to do.
+* With data-parallel subgroups (``process_group=`` a subgroup), each subgroup's rank 0 is a
+  leader: each subgroup is its own job as far as tuning goes, so its session is named
+  ``<name>.r<first global rank of the subgroup>`` (the whole job keeps ``<name>``).
+
+A new wrapper over parameters an older live wrapper of the same name also holds (re-wrapping
+after unfreezing part of a model) replaces it: the old one's tuning stops, as the old wrapper of
+torch DDP goes inert, and the name passes to the new one.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from distune.space import MODEL_NAME_RULE, is_valid_model_name
+
+
+def tuning_name(name: str, process_group: dist.ProcessGroup) -> str:
+    """The session name of model ``name`` averaged over ``process_group``."""
+    if dist.get_world_size(process_group) == dist.get_world_size():
+        return name
+    scoped = f"{name}.r{dist.get_global_rank(process_group, 0)}"
+    if not is_valid_model_name(scoped):
+        raise ValueError(
+            f"a model averaged over a subgroup is tuned as {scoped!r}, which must be "
+            f"{MODEL_NAME_RULE}: choose a shorter name"
+        )
+    return scoped
+
+
+class _Holder:
+    """A live wrapper's claim on a name: its parameters, and how to stop its tuning."""
+
+    def __init__(self, params: Sequence[torch.Tensor], stop: Callable[[], None]) -> None:
+        self.param_ids = {id(p) for p in params}
+        self.stop = stop
+
+
+class NameRegistry:
+    """The tuning names claimed by live wrappers of this process.
+
+    Claims are weak: a wrapper that is dropped releases its name without being told.
+    """
+
+    def __init__(self) -> None:
+        self._holders: weakref.WeakValueDictionary[str, _Holder] = weakref.WeakValueDictionary()
+
+    def claim(
+        self, name: str, params: Sequence[torch.Tensor], stop: Callable[[], None]
+    ) -> _Holder:
+        """Claim ``name`` for a wrapper of ``params``; the caller keeps the returned claim
+        alive as long as the wrapper. ``stop`` ends the wrapper's tuning if a newer wrapper
+        of the same parameters takes the name over."""
+        previous = self._holders.get(name)
+        if previous is not None:
+            if previous.param_ids.isdisjoint(id(p) for p in params):
+                raise ValueError(
+                    f"two models are named {name!r} in this process: the tuning service keeps "
+                    "one session per name, so give each DistributedDataParallel its own "
+                    "name= (e.g. name='generator' and name='discriminator')"
+                )
+            previous.stop()
+        holder = _Holder(params, stop)
+        self._holders[name] = holder
+        return holder
+
+
+#: The process's registry: names are unique per job, so per process (its one global state).
+NAMES_IN_USE = NameRegistry()
