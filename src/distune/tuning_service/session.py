@@ -258,7 +258,7 @@ class _Measurements(_Windows):
     """Every scored window of one group, across its samples."""
 
     samples: int = 0
-    #: Each sample's mean log rate and window count: how far samples of one group disagree
+    #: Each sample's log score and window count: how far samples of one group disagree
     #: beyond their windows' noise (the job's conditions drift between samples).
     sample_means: list[tuple[float, int]] = field(default_factory=list)
 
@@ -531,8 +531,9 @@ class TuningSession:
         measured.invalid += sample.invalid
         measured.samples += 1
         if sample.windows:
-            logs = [math.log(w.rate) for w in sample.windows]
-            measured.sample_means.append((statistics.fmean(logs), len(logs)))
+            # The sample's own robust score: a stall in one window moves it no more than the
+            # score the group is judged by.
+            measured.sample_means.append((math.log(score), len(sample.windows)))
         if self._optimizer is not None and not self._converged:
             # The optimizer sees each group's pooled score: a re-measurement refines it.
             try:
