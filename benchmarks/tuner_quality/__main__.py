@@ -1,11 +1,14 @@
 """Tuner quality on synthetic and measured landscapes; no torch, no processes.
 
     .venv/bin/python -m benchmarks.tuner_quality --draw held-out --seeds 20 --jobs 2 \
+        --sweep --only "distune,random,grid,bagua,horovod,design whole range" \
         --plot docs/images/bench_tuner_random_draw.png            # the issue-14 table
     .venv/bin/python -m benchmarks.tuner_quality --draw training --quick   # while iterating
+    .venv/bin/python -m benchmarks.tuner_quality --draw training --quick --sweep \
+        --only "distune,design whole range,design<=2^6"          # settings, training draw only
     .venv/bin/python -m benchmarks.tuner_quality --jobs 2 --plot docs/images/bench_tuner_quality.png
     .venv/bin/python -m benchmarks.tuner_quality --sweep   # and variants of the settings
-    .venv/bin/python -m benchmarks.tuner_quality --sweep --only distune,small_budget=0  # one
+    .venv/bin/python -m benchmarks.tuner_quality --sweep --only distune,acq=PI  # one variant
     .venv/bin/python -m benchmarks.tuner_quality --seeds 20 --jobs 2 --json out.json
 
 Every tuner runs at every budget of ``--budgets`` (the table shows ``--checkpoints``); the
