@@ -25,7 +25,12 @@ def peak(c: TrialConfig) -> int:
 
 
 def speed(c: TrialConfig) -> float:
-    return 100 * (1 - 0.6 / (1 + c.micro_batch)) * (1 - 0.05 * c.stage) * (0.8 if c.checkpointing else 1)
+    return (
+        100
+        * (1 - 0.6 / (1 + c.micro_batch))
+        * (1 - 0.05 * c.stage)
+        * (0.8 if c.checkpointing else 1)
+    )
 
 
 def row(c: TrialConfig) -> dict:
@@ -42,14 +47,24 @@ def row(c: TrialConfig) -> dict:
 
 def table() -> dict:
     space = TrialSpace(TrialPins(), WORLD, PROFILE)
-    configs = [space.config(s, c, m) for m in space.micro_batches() for c in (False, True) for s in range(4)]
+    configs = [
+        space.config(s, c, m)
+        for m in space.micro_batches()
+        for c in (False, True)
+        for s in range(4)
+    ]
     facts = {
         "parameter_bytes": 40 * MiB, "gradient_bytes": 40 * MiB, "optimizer_state_bytes": 80 * MiB,
         "largest_block_bytes": 5 * MiB, "activation_bytes_per_sample": 10 * MiB,
         "profile_peak_bytes": peak(PROFILE), "world_size": WORLD, "checkpointed_bytes_per_sample": 3 * MiB,
         "profile": [2, 8, 0, False],
     }  # fmt: skip
-    return {"world_size": WORLD, "cap": CAP, "facts": facts, "rows": [row(PROFILE)] + [row(c) for c in configs]}
+    return {
+        "world_size": WORLD,
+        "cap": CAP,
+        "facts": facts,
+        "rows": [row(PROFILE)] + [row(c) for c in configs],
+    }
 
 
 def test_policies_replay_the_grid_and_distune_reaches_its_best_in_fewer_trials() -> None:
