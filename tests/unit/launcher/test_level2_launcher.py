@@ -143,3 +143,13 @@ def test_bad_level2_flags_exit_2_naming_the_flag(argv, message, capsys) -> None:
         parse([*argv, "t.py"])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_arg_mappings_example_config_is_valid() -> None:
+    example = Path(__file__).resolve().parents[3] / "examples" / "level2_arg_mappings.yaml"
+    args, _ = parse(["--autotune_level", "2", "--autotune_config", str(example), "t.py"])
+    pins = trial_pins(args)
+    assert pins.global_batch == 32
+    assert rewrite_script_args(["--batch-size", "2"], pins, 8, 2) == [
+        "--grad-accum", "2", "--batch-size", "8",
+    ]  # fmt: skip
