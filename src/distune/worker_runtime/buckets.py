@@ -68,6 +68,8 @@ class Bucket:
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         first = params[0]
+        #: The parameters whose gradients the bucket holds, in bucket order.
+        self.params = tuple(params)
         numels = [p.numel() for p in params]
         total = sum(numels)
         # The flags' tail is padded to a multiple of 16 elements, so the allreduced length keeps

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,6 +27,9 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from distune.space import Hyperparameters
+from distune.worker_runtime.algorithms import Algorithm, GradientAllReduce
+from distune.worker_runtime.algorithms.base import ModelAverager
+from distune.worker_runtime.algorithms.comm_hook import CommHook, CommHookExchange
 from distune.worker_runtime.consistency import agree_on_model
 from distune.worker_runtime.join import DistributedDataParallelJoinHook, forward_agreement
 from distune.worker_runtime.leader_client import LeaderClient, check_model_name
@@ -41,7 +45,14 @@ from distune.worker_settings import WorkerSettings
 logger = logging.getLogger(__name__)
 
 #: What is not pickled (process groups, hooks, threads): rebuilt by ``__setstate__``.
-_RUNTIME = ("process_group", "_reducer", "_sync", "_name_claim", "_buffer_broadcast")
+_RUNTIME = (
+    "process_group",
+    "_reducer",
+    "_sync",
+    "_name_claim",
+    "_buffer_broadcast",
+    "_averager",
+)
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -64,6 +75,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             wrapped model of a job its own.
         bucket_size: pin the bucket size (bytes, rounded to a power of two); not tuned.
         hierarchical: pin hierarchical allreduce on or off; not tuned.
+        algorithm: how the ranks' models are kept in step (:mod:`distune.algorithms`); default
+            :class:`~distune.algorithms.GradientAllReduce`. Only the knobs the algorithm uses
+            are tuned; the algorithm itself never changes. A copy of the wrapper (pickle,
+            ``deepcopy``) averages gradients with ``GradientAllReduce``.
 
     Under ``distune-run --autotune_level 1`` (``DISTUNE_SERVICE_URL`` set), the model tunes
     itself: see :mod:`distune.worker_runtime.sync`. Otherwise it keeps its starting group.
@@ -87,6 +102,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         name: str = "model0",
         bucket_size: int | None = None,
         hierarchical: bool | None = None,
+        algorithm: Algorithm | None = None,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
@@ -94,6 +110,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         check_model_name(name)
         if hierarchical is not None and not isinstance(hierarchical, bool):
             raise TypeError(f"hierarchical must be True, False or None, got {hierarchical!r}")
+        if algorithm is None:
+            algorithm = GradientAllReduce()
+        if not isinstance(algorithm, Algorithm):
+            raise TypeError(
+                "algorithm must be one of distune.algorithms (GradientAllReduce, LowPrecision, "
+                f"Decentralized, AsyncModelAverage), got {algorithm!r}"
+            )
+        #: The algorithm keeping the ranks' models in step.
+        self.algorithm = algorithm
         arguments = TorchDDPArguments.check(
             [p for _, p in named],
             device_ids=device_ids,
@@ -122,10 +147,16 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._comm_device = self.device if "nccl" in backend else torch.device("cpu")
         self.topology = self._discover_topology()
         settings = WorkerSettings.from_env()
+        bucket_size = arguments.bucket_size
+        # A knob the algorithm does not use is pinned: tuning it would measure noise.
+        if not algorithm.uses_bucket_size and bucket_size is None:
+            bucket_size = settings.default_bucket_size
+        if not algorithm.uses_hierarchical and hierarchical is None:
+            hierarchical = False
         start = StartingGroup.plan(
             self.topology,
             sum(p.numel() * p.element_size() for _, p in named),
-            arguments.bucket_size,
+            bucket_size,
             hierarchical,
             settings,
         )
@@ -137,10 +168,19 @@ class DistributedDataParallel(nn.Module, Joinable):
             if self.topology.hierarchical_possible
             else None
         )
-        self._attach_runtime(named, hyperparameters, process_groups)
-        if settings.tuning:
+        self._averager: ModelAverager | None = (
+            None
+            if algorithm.averages_gradients
+            else algorithm.model_averager([p for _, p in named], self.process_group)
+        )
+        self._attach_runtime(named, hyperparameters, process_groups, algorithm)
+        if self._averager is not None:
+            self.require_backward_grad_sync = False  # gradients stay local
+        # An algorithm that uses neither knob has nothing to tune.
+        tuning = settings.tuning and (algorithm.uses_bucket_size or algorithm.uses_hierarchical)
+        if tuning:
             self._start_tuning(settings, start, hyperparameters)
-        self._log_start(len(named), start, settings.tuning)
+        self._log_start(len(named), start, tuning)
 
     def _discover_topology(self) -> Topology:
         topology = discover(self.process_group, self._comm_device)
@@ -155,16 +195,24 @@ class DistributedDataParallel(nn.Module, Joinable):
         named: list[tuple[str, nn.Parameter]],
         hyperparameters: Hyperparameters,
         process_groups: HierarchicalProcessGroups | None,
+        algorithm: Algorithm | None = None,
     ) -> None:
         """The parts that hold process groups and hooks (rebuilt by ``__setstate__``)."""
+        process_group = self.process_group
+        exchange = (
+            None
+            if algorithm is None or not algorithm.averages_gradients
+            else partial(algorithm.gradient_exchange, process_group)
+        )
         self._reducer: Reducer | None = Reducer(
             [p for _, p in named],
             [n for n, _ in named],
-            self.process_group,
+            process_group,
             hyperparameters,
             process_groups,
             self._comm_device,
             self.module,
+            exchange,
         )
         self._buffer_broadcast = BufferBroadcast(self.module, self.process_group)
         self._sync: SyncPoints | None = None
@@ -241,7 +289,41 @@ class DistributedDataParallel(nn.Module, Joinable):
                 reducer.hyperparameters.describe(),
             )
 
+    def finish(self) -> None:
+        """End of training on this rank. With a model-averaging algorithm, completes the
+        averaging under way (``AsyncModelAverage``: returns once every rank has finished, all
+        holding the same averaged model; ``Decentralized``: applies the last exchange); a no-op
+        for gradient algorithms. Every rank calls it once, when it stops training."""
+        if self._averager is not None:
+            self._averager.finish()
+
     # -- torch DDP's -------------------------------------------------------------------------
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """As torch DDP's: average each gradient bucket with ``hook(state, bucket)``.
+
+        ``hook`` returns a ``torch.futures.Future`` of the averaged bucket and receives the
+        ranks' gradients summed, not averaged, so torch's ``fp16_compress_hook`` and PowerSGD's
+        ``powerSGD_hook`` run unchanged (the bucket offers ``GradBucket``'s ``index``,
+        ``buffer``, ``gradients``, ``parameters``, ``is_last`` and ``set_buffer``). Call it on
+        every rank before training. A hook may keep state per bucket (PowerSGD does), so tuning
+        stops for this model and its buckets keep their size.
+        """
+        if self._averager is not None or type(self.algorithm) is not GradientAllReduce:
+            raise RuntimeError(
+                f"a communication hook replaces the gradient allreduce, and {self.algorithm!r} "
+                "already does something else: use the default algorithm (GradientAllReduce) "
+                "with a hook"
+            )
+        if not callable(hook):
+            raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
+        if self._sync is not None and not self._sync.stopped:
+            logger.info("register_comm_hook: model %r stops tuning", self.name)
+            self._sync.stop()
+        process_group = self.process_group
+        self._runtime().set_exchange(
+            lambda buckets: CommHookExchange(process_group, state, hook, buckets)
+        )
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -259,6 +341,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         forward ran under :meth:`no_sync`."""
         if torch.is_grad_enabled():
             reducer = self._runtime()
+            if self._averager is not None:
+                self._averager.before_forward()
             averages = self.require_backward_grad_sync
             source = 0
             if self._join_config.enable:
@@ -318,7 +402,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         super().__setstate__(state)
         self.process_group = None
         self._reducer = self._sync = self._name_claim = None
-        self._buffer_broadcast = None
+        self._buffer_broadcast = self._averager = None
+        self.algorithm = GradientAllReduce()
         if dist.is_available() and dist.is_initialized():
             self.process_group = dist.group.WORLD
             saved: Hyperparameters = state["_saved_hyperparameters"]

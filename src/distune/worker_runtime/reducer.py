@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from distune.errors import DistuneError
 from distune.space import Hyperparameters
+from distune.worker_runtime.algorithms.base import GradientExchange
 from distune.worker_runtime.buckets import Bucket, Slot, assign_buckets
 from distune.worker_runtime.topology import HierarchicalProcessGroups
 
@@ -131,11 +132,24 @@ def _release(handles: list[Any], hierarchical: _HierarchicalAllreduce | None) ->
         hierarchical.close()
 
 
+def _buckets_of(reducer_ref: weakref.ref[Reducer]) -> Callable[[], list[Bucket]]:
+    # Weakly, like the hooks: an exchange must not keep a dropped wrapper's reducer alive.
+    def buckets() -> list[Bucket]:
+        reducer = reducer_ref()
+        return [] if reducer is None else reducer._buckets
+
+    return buckets
+
+
 def _inside_outer_backward() -> bool:
     """Whether autograd is running a node of an enclosing backward on this thread: true in
     the end-of-backward callback of a backward nested in another (reentrant checkpointing)."""
     return torch._C._current_autograd_node() is not None
 
+
+#: Makes an algorithm's gradient exchange, given the reducer's buckets (in launch order);
+#: ``None``: the reducer's own flat or hierarchical allreduce.
+ExchangeFactory = Callable[[Callable[[], Sequence[Bucket]]], GradientExchange | None]
 
 #: What runs after each synchronised backward: given the iteration count, the hyperparameters
 #: to switch to before the next forward, or ``None`` to keep the current ones.
@@ -167,6 +181,7 @@ class Reducer:
         process_groups: HierarchicalProcessGroups | None,
         device: torch.device,
         module: torch.nn.Module | None = None,
+        exchange: ExchangeFactory | None = None,
     ) -> None:
         self._params = list(params)
         self._names = list(names)
@@ -199,6 +214,8 @@ class Reducer:
             if process_groups is not None
             else None
         )
+        #: An algorithm's exchange of buckets, in place of the flat/hierarchical allreduce.
+        self._exchange = None if exchange is None else exchange(_buckets_of(weakref.ref(self)))
         self._build(hyperparameters)
         self._reset_backward_state()
         handles = [
@@ -252,8 +269,25 @@ class Reducer:
                         view.copy_(param.grad)
                         param.grad = view
         hierarchical = hyperparameters.is_hierarchical_reduce and self._hierarchical is not None
-        self._strategy = self._hierarchical if hierarchical else self._flat
+        self._strategy: Any = self._hierarchical if hierarchical else self._flat
+        if self._exchange is not None:
+            self._strategy = self._exchange
         self._hyperparameters = Hyperparameters(hyperparameters.bucket_size_2p, hierarchical)
+
+    def set_exchange(self, exchange: ExchangeFactory) -> None:
+        """Average with ``exchange(buckets)`` from the next backward on (between iterations;
+        ``buckets()`` returns the buckets in launch order)."""
+        with self._lock:
+            self._check_idle("change the gradient exchange")
+            made = exchange(_buckets_of(weakref.ref(self)))
+            if made is None:
+                raise ValueError("set_exchange needs an exchange, got None")
+            self._exchange = self._strategy = made
+
+    @property
+    def _divides(self) -> bool:
+        # A communication hook is handed the ranks' sum and averages it itself, as in torch.
+        return self._world_size > 1 and not getattr(self._strategy, "expects_sum", False)
 
     # -- one backward ----------------------------------------------------------------------
 
@@ -336,7 +370,7 @@ class Reducer:
             # copied (a third of the dispatch cost), and divided with its bucket at launch.
             if self._keep_spares:
                 self._spares.append(grad)
-            if self._world_size > 1 and grad.numel() >= FUSED_DIVISION_MIN_NUMEL:
+            if self._divides and grad.numel() >= FUSED_DIVISION_MIN_NUMEL:
                 torch.div(grad, self._world_size, out=view)
                 self._divided[index] = True
             else:
@@ -366,7 +400,7 @@ class Reducer:
         bucket.flags.fill_(1)
         for k in self._absent.get(b, ()):
             bucket.flags[k] = 0
-        if self._world_size > 1:
+        if self._divides:
             # Divide what was not divided on the way in, one op per run of adjacent gradients
             # (the whole bucket at once in the common cases).
             runs: list[list[int]] = []
