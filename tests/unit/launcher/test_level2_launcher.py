@@ -153,3 +153,28 @@ def test_the_arg_mappings_example_config_is_valid() -> None:
     assert rewrite_script_args(["--batch-size", "2"], pins, 8, 2) == [
         "--grad-accum", "2", "--batch-size", "8",
     ]  # fmt: skip
+
+
+def test_level2_refuses_several_nodes_and_a_results_dir_already_used(tmp_path: Path) -> None:
+    from distune.launcher.level2 import Level2
+    from distune.launcher.options import OptionError
+
+    argv = ["--nnodes", "2", "--nproc_per_node", "2", "--autotune_level", "2", "t.py"]
+    args, options = parse(argv)
+    with pytest.raises(OptionError, match="trials run on one node"):
+        Level2(args, options, TrialPins(), argv)
+    used = tmp_path / "results"
+    used.mkdir()
+    (used / "trials.jsonl").write_text("")
+    argv = [
+        "--nproc_per_node",
+        "2",
+        "--autotune_level",
+        "2",
+        "--autotune_results_dir",
+        str(used),
+        "t.py",
+    ]
+    args, options = parse(argv)
+    with pytest.raises(OptionError, match=r"already holds trials\.jsonl"):
+        Level2(args, options, TrialPins(), argv)
