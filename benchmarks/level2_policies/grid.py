@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from distune.launcher.level2 import _facts, _free_port, rewrite_script_args, settings_for
+from distune.launcher.level2 import free_port, model_facts, rewrite_script_args, settings_for
 from distune.launcher.options import parse, trial_pins
 from distune.launcher.trial_runner import TrialRunner
 from distune.tuning_service.trials.trial_config import TrialConfig
@@ -43,7 +43,7 @@ def measure_grid(launcher_argv: list[str], out: Path) -> dict[str, Any]:
         script = rewrite_script_args(
             list(args.training_script_args), pins, settings.micro_batch, settings.accumulation
         )
-        run = runner.run(index, settings, script, _free_port())
+        run = runner.run(index, settings, script, free_port())
         row = _row(config, run)
         print(f"grid {index}: {config} {run.outcome} {row['throughput']}", flush=True)
         return row
@@ -62,7 +62,7 @@ def measure_grid(launcher_argv: list[str], out: Path) -> dict[str, Any]:
         for stage in space.stages()
     ]
     rows = [profile] + [trial(i + 1, c) for i, c in enumerate(configs)]
-    facts = _facts(profile["measurements"], baseline)
+    facts = model_facts(profile["measurements"], baseline)
     table = {
         "command": launcher_argv,
         "cap": cap,
