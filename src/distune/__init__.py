@@ -1,8 +1,8 @@
 """distune: PyTorch data-parallel training that tunes its own communication settings online.
 
-The torch-backed names (``DistributedDataParallel``, ``fuse_optimizer``, the ``algorithms`` and
-``data`` modules) are imported lazily, on first use, so that importing ``distune`` (as the tuning
-service does) never pulls in torch.
+The torch-backed names (``DistributedDataParallel``, ``fuse_optimizer``, ``prepare``, the
+``algorithms`` and ``data`` modules) are imported lazily, on first use, so that importing
+``distune`` (as the tuning service does) never pulls in torch.
 """
 
 from __future__ import annotations
@@ -16,20 +16,25 @@ if TYPE_CHECKING:
     from distune import algorithms, data
     from distune.worker_runtime import DistributedDataParallel
     from distune.worker_runtime.fused_optimizer import fuse_optimizer
+    from distune.worker_runtime.prepare import Prepared, prepare
 
 __version__ = metadata.version("distune")
 __all__ = [
     "DistributedDataParallel",
     "Hyperparameters",
+    "Prepared",
     "__version__",
     "algorithms",
     "data",
     "fuse_optimizer",
+    "prepare",
 ]
 
 _LAZY = {
     "DistributedDataParallel": "distune.worker_runtime",
     "fuse_optimizer": "distune.worker_runtime.fused_optimizer",
+    "prepare": "distune.worker_runtime.prepare",
+    "Prepared": "distune.worker_runtime.prepare",
 }
 #: Submodules that import torch, loaded on first attribute access.
 _LAZY_MODULES = ("algorithms", "data")

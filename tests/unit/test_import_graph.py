@@ -48,6 +48,9 @@ TORCH_FREE = [
     "distune.wording",
     "distune.tuning_service",
     "distune.tuning_service.server",
+    # level 2's trial search and the variables its ranks read
+    "distune.tuning_service.trials.trial_search",
+    "distune.trial_settings",
     # the `distune` commands read only the API or the log
     "distune.cli.main",
     "distune.cli.status",

@@ -9,14 +9,18 @@ status, stop the service and print the summary. The exit code is the workers'.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+from dataclasses import replace
+from typing import Any
 
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from distune.launcher.options import OptionError, parse
+from distune.launcher.level2 import Level2, pinned_run
+from distune.launcher.options import AutotuneOptions, OptionError, parse, trial_pins
 from distune.launcher.plan import LaunchPlan, plan_launch, restart_caveat
 from distune.launcher.progress import ProgressMonitor
 from distune.launcher.service_process import ServiceStartError, TuningServiceProcess
@@ -40,9 +44,47 @@ def _run_workers(args: object, plan: LaunchPlan) -> int:
     return 0
 
 
+def _level2(argv: list[str], args: Any, options: AutotuneOptions) -> tuple[Any, Any] | int:
+    """Level 2's trials; the job to run next, or the exit code when there is none."""
+    stop_signals = StopSignals()
+    stop_signals.install()
+    try:
+        level2 = Level2(args, options, trial_pins(args), argv)
+        search = level2.tune()
+        chosen = level2.chosen(search) if search is not None else None
+    except OptionError as error:
+        print(f"distune-run: error: {error}", file=sys.stderr)
+        return 2
+    except SignalException as error:
+        print(f"distune-run: stopping on {error.sigval.name}", file=sys.stderr)
+        return 128 + error.sigval
+    finally:
+        stop_signals.cleanup_started()
+    if chosen is None:
+        return 1
+    if (options.autotune_mode or "run") == "tune":
+        return 0
+    os.environ.update(chosen.settings.to_env())
+    args = argparse.Namespace(**{**vars(args), "training_script_args": chosen.script_args})
+    # Level 1 tunes distune's DDP (ddp and zero1); FSDP's communication is its own.
+    return args, replace(options, autotune_level=1 if chosen.config.stage < 2 else 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one job; returns the exit code (the workers', 2 for bad flags)."""
+    argv = sys.argv[1:] if argv is None else argv
     args, options = parse(argv)
+    if options.autotune_level == 2:
+        outcome = _level2(argv, args, options)
+        if isinstance(outcome, int):
+            return outcome
+        args, options = outcome
+    else:
+        try:
+            args = pinned_run(args, options, trial_pins(args))
+        except OptionError as error:
+            print(f"distune-run: error: {error}", file=sys.stderr)
+            return 2
     try:
         plan = plan_launch(args, options)
     except OptionError as error:

@@ -10,6 +10,8 @@ allowed; the launcher turns it into exit code 2 before anything starts.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
@@ -28,6 +30,8 @@ from distune.checks import InvalidValue, positive_seconds, whole_number_text
 from distune.errors import ConfigError
 from distune.launcher.config_file import load_config
 from distune.tuning_service.config import TuningConfig, declared
+from distune.tuning_service.trials.trial_config import CONFIG_KEYS, TrialConfigError, TrialPins
+from distune.tuning_service.trials.trial_result import METRICS
 
 
 class OptionError(ConfigError):
@@ -133,10 +137,57 @@ def flag_field(
 
 
 _TUNING_SETTINGS = {item.name: setting for item, setting in declared(TuningConfig)}
-_level = _whole_number(0, 1, "0 or 1")
+_level = _whole_number(0, 2, "0, 1 or 2")
 _positive_int = _whole_number(1, None, "an integer of at least 1")
 _bytes = _whole_number(1, None, "a positive whole number of bytes")
 _port = _whole_number(0, 65535, "a port in [0, 65535] (0: a free one)")
+
+
+_BYTE_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_BYTE_UNITS |= {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
+def _memory_size(value: Any) -> int:
+    """Bytes, as a whole number or with a unit: ``512MiB``, ``2GiB``, ``1.5GB``."""
+    text = "" if isinstance(value, bool) else str(value).strip().upper().replace(" ", "")
+    number = text.rstrip("KMGTIB")
+    size = math.nan
+    if text[len(number) :] in _BYTE_UNITS:
+        with contextlib.suppress(ValueError):
+            size = float(number) * _BYTE_UNITS[text[len(number) :]]
+    if not (math.isfinite(size) and size >= 1):
+        raise InvalidValue(
+            f"must be a number of bytes like 536870912, 512MiB or 2GiB, got {value!r}"
+        )
+    return int(size)
+
+
+def _choice(*allowed: str) -> Callable[[Any], str]:
+    def check(value: Any) -> str:
+        if value not in allowed:
+            raise InvalidValue(f"must be one of {', '.join(allowed)}, got {value!r}")
+        return str(value)
+
+    return check
+
+
+def _directory(value: Any) -> Path:
+    """A directory to write in: existing, or to be created in an existing one."""
+    if not isinstance(value, str | Path) or not str(value).strip():
+        raise InvalidValue(f"must be a directory path, got {value!r}")
+    path = Path(value).expanduser()
+    if path.exists() and not path.is_dir():
+        raise InvalidValue(f"{str(path)!r} exists and is not a directory")
+    if not path.exists() and not path.parent.is_dir():
+        raise InvalidValue(f"directory {str(path.parent)!r} does not exist")
+    return path
+
+
+def _results_to_resume(value: Any) -> Path:
+    path = _directory(value)
+    if not (path / "trials.jsonl").is_file():
+        raise InvalidValue(f"{str(path)!r} holds no trials.jsonl of an earlier level-2 run")
+    return path
 
 
 @dataclass(frozen=True)
@@ -150,8 +201,9 @@ class AutotuneOptions:
 
     autotune_level: int = flag_field(
         _level,
-        "0 (default): no tuning, no service; 1: online tuning of the communication knobs",
-        "{0,1}",
+        "0 (default): no tuning, no service; 1: online tuning of the communication knobs; "
+        "2: trials of micro-batch, sharding and checkpointing, then level 1 (docs/level2.md)",
+        "{0,1,2}",
         default=0,
     )
     autotune_max_samples: int | None = flag_field(_positive_int, metavar="N", service="max_samples")
@@ -200,6 +252,50 @@ class AutotuneOptions:
         "no progress lines while tuning (the end-of-run summary is still printed)",
         kind="switch",
         default=False,
+    )
+    # Level 2 (docs/level2.md); its config keys (DeepSpeed's names) are pins: trial_pins().
+    autotune_mode: str | None = flag_field(
+        _choice("tune", "run"),
+        "level 2: tune (trials only) or run (trials, then train with the best; default)",
+        "{tune,run}",
+    )
+    autotune_results_dir: Path | None = flag_field(
+        _directory,
+        "level 2: where trials.jsonl, summary.md, best_config.json and best_command.txt go "
+        "(default: a new private /tmp/distune_level2_<random>)",
+        "DIR",
+    )
+    autotune_device_memory: int | None = flag_field(
+        _memory_size,
+        "cap each rank's tensor memory (e.g. 512MiB, 2GiB): over it a step raises "
+        "torch.OutOfMemoryError, on CPU too",
+        "BYTES",
+    )
+    autotune_trial_timeout: float | None = flag_field(
+        positive_seconds,
+        "level 2: a trial with no finished step for S seconds is stopped as timeout "
+        "(default 120)",
+        "S",
+    )
+    autotune_max_trials: int | None = flag_field(
+        _whole_number(2, None, "an integer of at least 2"),
+        "level 2: at most N trials (default 20)",
+        "N",
+    )
+    autotune_metric: str | None = flag_field(
+        _choice(*METRICS),
+        "level 2: throughput (samples a second, maximised; default) or latency (seconds a "
+        "step, minimised)",
+        "{throughput,latency}",
+    )
+    autotune_allow_batch_change: bool = flag_field(
+        _bool,
+        "level 2: the global batch may change (it is held fixed otherwise)",
+        kind="switch",
+        default=False,
+    )
+    autotune_resume: Path | None = flag_field(
+        _results_to_resume, "level 2: reuse the trials already measured in DIR", "DIR"
     )
 
     @property
@@ -318,11 +414,12 @@ def _config_file_values(path: str) -> dict[str, Any]:
     except ConfigError as error:
         raise OptionError(f"--autotune_config: {error}") from None
     declarations = dict(flags())
-    unknown = sorted(set(config) - set(declarations) - INFORMATIONAL_CONFIG_KEYS)
+    known = set(declarations) | CONFIG_KEYS
+    unknown = sorted(set(config) - known - INFORMATIONAL_CONFIG_KEYS)
     if unknown:
         raise OptionError(
             f"--autotune_config: unknown key(s) {', '.join(map(repr, unknown))} in "
-            f"{path}; allowed: {', '.join(sorted(declarations))}"
+            f"{path}; allowed: {', '.join(sorted(known))}"
         )
     values = {}
     for dest, value in config.items():
@@ -332,6 +429,17 @@ def _config_file_values(path: str) -> dict[str, Any]:
             except InvalidValue as error:
                 raise OptionError(f"--autotune_config: {dest} {error}") from None
     return values
+
+
+def trial_pins(args: argparse.Namespace) -> TrialPins:
+    """The level-2 keys of the ``--autotune_config`` file (DeepSpeed's names), validated: the
+    values the user pinned. At levels 0 and 1 they reach the ranks too (a best_config.json)."""
+    if args.autotune_config is None:
+        return TrialPins()
+    try:
+        return TrialPins.from_config(load_config(Path(args.autotune_config)))
+    except (ConfigError, TrialConfigError) as error:
+        raise OptionError(f"--autotune_config: {error}") from None
 
 
 def _check_tuning_ranges(options: AutotuneOptions) -> None:

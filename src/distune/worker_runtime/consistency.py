@@ -20,12 +20,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distune.errors import DistuneError
 from distune.space import Hyperparameters
 
 logger = logging.getLogger(__name__)
 
 
-class ModelMismatchError(ValueError):
+class ModelMismatchError(DistuneError, ValueError):
     """The ranks wrapped different models; the message names the first difference."""
 
 

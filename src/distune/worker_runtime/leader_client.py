@@ -296,7 +296,7 @@ class _Unknown(DistuneError):
     """The service does not know the model (404 to a report)."""
 
 
-class _Refused(Exception):
+class _Refused(DistuneError):
     """The service refused the registration (409); the message is the service's."""
 
 

@@ -64,7 +64,7 @@ def test_hierarchical_off(spelling):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--autotune_level", "2"], "--autotune_level/--autotune-level: must be 0 or 1, got '2'"),
+        (["--autotune_level", "3"], "--autotune_level/--autotune-level: must be 0, 1 or 2, got '3'"),
         (["--autotune_max_samples", "0"], "must be an integer of at least 1, got '0'"),
         (["--autotune_warmup_time", "-1"], "--autotune-warmup-time: must be a positive number of seconds"),
         (["--autotune_warmup_time", "0"], "must be a positive number of seconds, got '0'"),

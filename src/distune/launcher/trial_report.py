@@ -1,0 +1,116 @@
+"""Level 2's outputs: ``trials.jsonl`` as trials end, ``summary.md`` at the end, and the
+progress line of each trial.
+
+``trials.jsonl`` is appended and flushed trial by trial, so an interrupted run keeps every
+finished trial (and ``--autotune_resume`` can skip them). ``summary.md`` has one row per
+strategy (trials, best value, best trial), the whole (the winner, the time spent, the gain over
+the script's own configuration, which the profile trial measured), and the search's decisions.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from distune.tuning_service.trials.trial_config import STRATEGY_NAMES
+from distune.tuning_service.trials.trial_result import OK, THROUGHPUT, TrialResult
+from distune.tuning_service.trials.trial_search import TrialSearch
+
+MiB = 2**20
+
+
+class TrialReport:
+    """Writes the results directory of one level-2 run."""
+
+    def __init__(self, directory: Path, metric: str) -> None:
+        self.directory = directory
+        self.metric = metric
+        self.results: list[TrialResult] = []
+
+    def add(self, result: TrialResult) -> None:
+        """Append one trial to ``trials.jsonl``."""
+        self.results.append(result)
+        with open(self.directory / "trials.jsonl", "a", encoding="utf-8") as file:
+            file.write(json.dumps(result.to_json()) + "\n")
+
+    def _value(self, result: TrialResult) -> str:
+        if self.metric == THROUGHPUT:
+            return f"{result.throughput:.2f} samples/s"
+        return f"{result.step_seconds:.3f} s/step"
+
+    def line(self, result: TrialResult) -> str:
+        """The progress line of a finished trial."""
+        if result.outcome != OK:
+            why = (result.error or "").strip().splitlines()
+            return (
+                f"trial {result.trial}: {result.config.describe()}: {result.outcome}"
+                f"{f' ({why[-1][:160]})' if why else ''} after {result.duration:.1f} s"
+            )
+        peak = result.peak_memory_bytes or 0
+        predicted = result.predicted_memory_bytes
+        predicted_text = f" (predicted {predicted / MiB:.1f})" if predicted else ""
+        spread = result.throughput_spread or 0.0
+        return (
+            f"trial {result.trial}: {result.config.describe()}: ok, {self._value(result)} "
+            f"(spread {spread:.1%}), peak {peak / MiB:.1f} MiB{predicted_text}, "
+            f"{result.duration:.1f} s"
+        )
+
+    def finish(self, search: TrialSearch | None, decisions: list[str], seconds: float) -> None:
+        """Write ``summary.md``."""
+        lines = ["# distune level 2", ""]
+        profile = next((r for r in self.results if r.purpose == "profile"), None)
+        best = search.best() if search is not None else None
+        unit = "samples/s" if self.metric == THROUGHPUT else "s/step"
+        lines += [
+            f"Metric: {self.metric} ({'maximised' if self.metric == THROUGHPUT else 'minimised'})."
+            f" Trials: {len(self.results)}, {seconds:.0f} s in all.",
+            "",
+            f"| strategy | trials | ok | best ({unit}) | best trial |",
+            "|---|---|---|---|---|",
+        ]
+        for stage, name in STRATEGY_NAMES.items():
+            tried = [r for r in self.results if r.config.stage == stage]
+            if not tried:
+                continue
+            good = [r for r in tried if r.outcome == OK]
+            top = max(good, key=lambda r: r.value(self.metric)) if good else None
+            value = self._value(top).split()[0] if top else "-"
+            lines.append(
+                f"| {name} | {len(tried)} | {len(good)} | {value} | "
+                f"{top.trial if top else '-'}: {top.config.describe() if top else ''} |"
+            )
+        lines.append("")
+        if best is not None and search is not None and profile is not None:
+            mean = sum(search.scores(best)) / len(search.scores(best))
+            shown = mean if self.metric == THROUGHPUT else -mean
+            lines.append(f"**Best:** {best.describe()}: {shown:.3f} {unit} (mean of its trials).")
+            if profile.outcome == OK:
+                base = profile.value(self.metric)
+                gain = mean / base if self.metric == THROUGHPUT else base / mean
+                lines.append(
+                    f"The script's own configuration ({profile.config.describe()}): "
+                    f"{abs(base):.3f} {unit}; gain {gain:.2f}x."
+                )
+        else:
+            lines.append("**No configuration completed a trial.**")
+        lines += [
+            "",
+            "| trial | purpose | configuration | outcome | value | peak MiB | "
+            "predicted MiB | seconds |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in self.results:
+            value = self._value(r) if r.outcome == OK else "-"
+            peak = f"{r.peak_memory_bytes / MiB:.1f}" if r.peak_memory_bytes else "-"
+            predicted = f"{r.predicted_memory_bytes / MiB:.1f}" if r.predicted_memory_bytes else "-"
+            lines.append(
+                f"| {r.trial} | {r.purpose} | {r.config.describe()} | {r.outcome} | {value} | "
+                f"{peak} | {predicted} | {r.duration:.1f} |"
+            )
+        failed = [r for r in self.results if r.outcome != OK and r.error]
+        for r in failed:
+            lines += ["", f"Trial {r.trial} ({r.outcome}):", "", "```", r.error or "", "```"]
+        if decisions:
+            lines += ["", "Decisions:", "", *(f"- {d}" for d in decisions)]
+        (self.directory / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -1,0 +1,229 @@
+"""Running one level-2 trial as a real job of all ranks, and telling what happened.
+
+The trial is ``distune.launcher.trial_job`` (torch's elastic launcher) in a session of its own,
+with the configuration in ``DISTUNE_*`` variables and max_restarts 0. A watchdog reads the
+progress file rank 0 rewrites after every optimizer step: no new step within the trial
+time-out (start-up included) stops the trial as ``timeout``. Stopping is by ids: SIGTERM to the
+agent (which stops its ranks), then SIGKILL to the agent and every rank it started, found in
+/proc and in the pid files the ranks wrote. The outcome comes from the structured files the
+ranks write (:mod:`distune.worker_runtime.trial_measurement`) and the exit status, never from
+the text of the log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.run import get_args_parser
+
+from distune.trial_settings import TRIAL_DIR, TrialSettings
+from distune.tuning_service.trials.trial_result import CRASH, INVALID, OK, OOM, TIMEOUT
+from distune.worker_settings import SERVICE_TOKEN, SERVICE_URL, WorkerSettings
+
+#: Exit statuses of a rank the kernel's out-of-memory killer ended (SIGKILL).
+OOM_EXIT_CODES = (137, -9)
+_POLL = 0.2
+_STOP_GRACE = 5.0
+_LOG_TAIL_LINES = 12
+
+
+@dataclass(frozen=True)
+class TrialRun:
+    """What one trial did: its outcome, rank 0's measurements if ok, why if not."""
+
+    outcome: str
+    exit_code: int | None
+    measurements: dict[str, Any] | None
+    error: str | None
+    duration: float
+    log_path: Path
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def classify(
+    exit_code: int | None,
+    timed_out: bool,
+    rank_reports: list[dict[str, Any]],
+    result: dict[str, Any] | None,
+    log_tail: str,
+) -> tuple[str, str | None]:
+    """The outcome and its explanation, from the exit status and the ranks' own reports.
+
+    ``oom`` wins over everything (any rank's report, or a rank killed by the kernel): a rank
+    that ran out of memory makes its peers fail in their collectives, and those are symptoms.
+    """
+    for report in rank_reports:
+        if report.get("outcome") == OOM:
+            return OOM, report.get("error")
+    if timed_out:
+        return TIMEOUT, "no finished step within the trial time-out"
+    if exit_code in OOM_EXIT_CODES:
+        return OOM, f"a rank was killed (exit {exit_code}), as the kernel's OOM killer does"
+    crashes = [r for r in rank_reports if r.get("outcome") == CRASH]
+    if crashes:
+        return CRASH, crashes[0].get("error")
+    if exit_code == 0 and result is not None and result.get("outcome") == OK:
+        return OK, None
+    if exit_code == 0:
+        return INVALID, (
+            "the script ended without finishing the trial's steps: does it call distune.prepare "
+            "and train for at least the warm-up and measured steps?"
+        )
+    return CRASH, log_tail or f"exit status {exit_code}"
+
+
+def _descendants(pid: int) -> set[int]:
+    found: set[int] = set()
+    pending = [pid]
+    while pending:
+        parent = pending.pop()
+        for children in Path(f"/proc/{parent}/task").glob("*/children"):
+            with contextlib.suppress(OSError, ValueError):
+                for child in map(int, children.read_text().split()):
+                    if child not in found:
+                        found.add(child)
+                        pending.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _belongs(pid: int, trial_dir: Path) -> bool:
+    """Whether ``pid`` is still one of this trial's ranks (a pid may be reused once it ends)."""
+    marker = f"{TRIAL_DIR}={trial_dir}".encode()
+    try:
+        return marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+
+
+def _log_tail(path: Path) -> str:
+    with contextlib.suppress(OSError):
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        return "\n".join(lines[-_LOG_TAIL_LINES:])
+    return ""
+
+
+class TrialRunner:
+    """Runs trials of one script with the job's torchrun arguments."""
+
+    def __init__(self, args: argparse.Namespace, trial_timeout: float, root: Path) -> None:
+        self.args = args
+        self.trial_timeout = trial_timeout
+        self.root = root
+
+    def _spec(self, script_args: list[str], master_port: int) -> dict[str, Any]:
+        # torchrun's own arguments only (distune's flags are the launcher's business).
+        torchrun_dests = {action.dest for action in get_args_parser()._actions}
+        spec = {k: v for k, v in vars(self.args).items() if k in torchrun_dests}
+        spec["training_script_args"] = script_args
+        spec["max_restarts"] = 0  # a failing trial is an outcome, not something to retry
+        if spec.get("rdzv_backend") == "static" and not spec.get("standalone"):
+            spec["master_port"] = master_port  # a fresh port: the last trial's may linger
+        return spec
+
+    def run(
+        self, index: int, settings: TrialSettings, script_args: list[str], master_port: int
+    ) -> TrialRun:
+        """Run trial ``index`` to its end (or its time-out) and classify it."""
+        trial_dir = self.root / f"trial-{index:03d}"
+        attempt = 1
+        while trial_dir.exists():  # resuming in the same directory: keep the earlier logs
+            attempt += 1
+            trial_dir = self.root / f"trial-{index:03d}-{attempt}"
+        trial_dir.mkdir(parents=True)
+        spec_path = trial_dir / "torchrun.json"
+        spec_path.write_text(json.dumps(self._spec(script_args, master_port)), encoding="utf-8")
+        settings = TrialSettings(**{**vars(settings), "trial_dir": trial_dir})
+        env = {k: v for k, v in os.environ.items() if k not in (SERVICE_URL, SERVICE_TOKEN)}
+        env.update(WorkerSettings(autotune_level=0).to_env())  # no online tuning in a trial
+        env.update(settings.to_env())
+        log_path = trial_dir / "log.txt"
+        start = time.monotonic()
+        timed_out = False
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "distune.launcher.trial_job", str(spec_path)],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            try:
+                timed_out = self._watch(process, trial_dir / "progress")
+            finally:
+                if process.poll() is None:
+                    self._stop(process, trial_dir)
+        exit_code = process.returncode
+        reports = [r for p in sorted(trial_dir.glob("rank*.json")) if (r := _read_json(p))]
+        result = _read_json(trial_dir / "result.json")
+        outcome, error = classify(exit_code, timed_out, reports, result, _log_tail(log_path))
+        return TrialRun(
+            outcome=outcome,
+            exit_code=exit_code,
+            measurements=result if outcome == OK else None,
+            error=error,
+            duration=time.monotonic() - start,
+            log_path=log_path,
+        )
+
+    def _watch(self, process: subprocess.Popen, progress: Path) -> bool:
+        """Wait for the trial; True if the watchdog fired (it is then still running)."""
+        last_steps, last_change = None, time.monotonic()
+        while process.poll() is None:
+            data = _read_json(progress)
+            steps = data.get("steps") if data else None
+            now = time.monotonic()
+            if steps != last_steps:
+                last_steps, last_change = steps, now
+            elif now - last_change > self.trial_timeout:
+                return True
+            time.sleep(_POLL)
+        return False
+
+    def _stop(self, process: subprocess.Popen, trial_dir: Path) -> None:
+        """Stop the trial's agent and ranks by their ids, gently first."""
+        pids = _descendants(process.pid)
+        for pid_file in trial_dir.glob("pid.*"):
+            with contextlib.suppress(OSError, ValueError):
+                rank_pid = int(pid_file.read_text())
+                if _belongs(rank_pid, trial_dir):  # orphaned if the agent died first
+                    pids.add(rank_pid)
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + _STOP_GRACE
+        while time.monotonic() < deadline and (
+            process.poll() is None or any(_alive(p) for p in pids)
+        ):
+            pids |= _descendants(process.pid) if process.poll() is None else set()
+            time.sleep(_POLL)
+        for pid in [process.pid, *pids]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        process.wait()

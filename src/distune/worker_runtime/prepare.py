@@ -1,0 +1,187 @@
+"""``distune.prepare``: how a training script takes a level-2 configuration.
+
+The script builds its model and optimizer as usual and hands them over with its own batch
+settings; it gets back the model and optimizer to train with and the micro-batch and
+accumulation steps to use. Under ``distune-run --autotune_level 2`` those come from the trial
+or from the chosen configuration (``DISTUNE_*``, see :mod:`distune.trial_settings`); without it,
+the script's own values hold and the model is wrapped in distune's DDP, so the same script runs
+anywhere. In a trial, the steps are measured and the process ends after them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distune.trial_settings import TrialSettings
+from distune.worker_runtime.memory_cap import CudaMemory, LiveTensorBytes, MemoryMeter
+from distune.worker_runtime.strategy import apply, repeated_blocks
+from distune.worker_runtime.trial_measurement import TrialMeasurement, install_failure_report
+
+logger = logging.getLogger(__name__)
+
+_STRATEGIES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What to train with: the wrapped model, the optimizer to step, and the batch settings."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    strategy: str
+    activation_checkpointing: bool
+    memory: MemoryMeter | None
+
+    @contextlib.contextmanager
+    def accumulate(self, micro_step: int) -> Iterator[None]:
+        """Around micro-step ``micro_step`` (0-based) of an optimizer step: gradients are
+        averaged over the ranks only in the last one."""
+        if micro_step < self.gradient_accumulation_steps - 1:
+            with self.model.no_sync():  # type: ignore[operator]
+                yield
+        else:
+            yield
+
+
+def _meter(settings: TrialSettings, device: torch.device, tensors: list[torch.Tensor]) -> Any:
+    if device.type == "cuda":
+        return CudaMemory(device, settings.device_memory)
+    mode = LiveTensorBytes(settings.device_memory)
+    # Entered for the rest of the process: every step of the job is counted (and capped).
+    mode.__enter__()
+    mode.track(tensors)
+    return mode
+
+
+def _bytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _facts(model: nn.Module, blocks: tuple[type[nn.Module], ...]) -> tuple[int, int, int]:
+    """Parameter bytes, gradient bytes and the largest repeated block's parameter bytes."""
+    params = list(model.parameters())
+    largest = max(
+        (_bytes(list(m.parameters())) for m in model.modules() if isinstance(m, blocks)),
+        default=0,
+    )
+    return _bytes(params), _bytes([p for p in params if p.requires_grad]), largest
+
+
+def _optimizer_state_bytes(optimizer: torch.optim.Optimizer, gradient_bytes: int) -> int:
+    """The whole model's optimizer state, from this rank's (possibly sharded) share of it."""
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its own
+    state_bytes = param_bytes = 0
+    for param, state in inner.state.items():
+        param_bytes += param.numel() * param.element_size()
+        state_bytes += sum(
+            v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor)
+        )
+    return round(gradient_bytes * state_bytes / param_bytes) if param_bytes else 0
+
+
+def prepare(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    micro_batch_size: int,
+    gradient_accumulation_steps: int = 1,
+    name: str = "model0",
+    blocks: Sequence[type[nn.Module]] | None = None,
+) -> Prepared:
+    """Wrap ``model`` and ``optimizer`` for this run's level-2 configuration.
+
+    Args:
+        model: the model, on its device, not wrapped yet.
+        optimizer: a fresh optimizer over ``model``'s parameters (rebuilt, same class and
+            hyperparameters, where a sharded strategy needs it).
+        micro_batch_size: the script's own samples per rank per forward.
+        gradient_accumulation_steps: the script's own micro-steps per optimizer step.
+        name: the model's name for the tuning service (as for DistributedDataParallel).
+        blocks: classes of the model's repeated blocks (default: found in its ModuleLists).
+
+    Returns:
+        a :class:`Prepared`: train ``.model`` with ``.optimizer`` on batches of
+        ``.micro_batch_size``, stepping every ``.gradient_accumulation_steps`` micro-steps.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("distune.prepare needs torch.distributed to be initialized first")
+    if micro_batch_size < 1 or gradient_accumulation_steps < 1:
+        raise ValueError(
+            "micro_batch_size and gradient_accumulation_steps must be at least 1, got "
+            f"{micro_batch_size} and {gradient_accumulation_steps}"
+        )
+    settings = TrialSettings.from_env()
+    rank = dist.get_rank()
+    if settings.trial_dir is not None:
+        install_failure_report(settings.trial_dir, rank)
+    device = next(model.parameters()).device
+    micro = settings.micro_batch or micro_batch_size
+    accumulation = settings.accumulation or gradient_accumulation_steps
+    stage = settings.stage if settings.stage is not None else 0
+    checkpointing = bool(settings.checkpointing)
+    block_classes = tuple(blocks) if blocks is not None else repeated_blocks(model)
+    parameter_bytes, gradient_bytes, largest_block = _facts(model, block_classes)
+
+    meter = None
+    if settings.is_trial or settings.device_memory is not None:
+        tensors = [*model.parameters(), *model.buffers()]
+        meter = _meter(settings, device, tensors)
+    applied = apply(model, optimizer, stage, checkpointing, device, name, block_classes)
+    prepared = Prepared(
+        model=applied.model,
+        optimizer=applied.optimizer,
+        micro_batch_size=micro,
+        gradient_accumulation_steps=accumulation,
+        strategy=_STRATEGIES[stage],
+        activation_checkpointing=checkpointing,
+        memory=meter,
+    )
+    if rank == 0:
+        logger.info(
+            "distune.prepare: %s, micro-batch %d x %d accumulation steps%s",
+            prepared.strategy,
+            micro,
+            accumulation,
+            ", activation checkpointing" if checkpointing else "",
+        )
+    if settings.trial_dir is not None:
+        assert meter is not None
+        world = dist.get_world_size()
+
+        def describe() -> dict[str, Any]:
+            return {
+                "config": {
+                    "micro_batch": micro,
+                    "accumulation": accumulation,
+                    "stage": stage,
+                    "checkpointing": checkpointing,
+                },
+                "world_size": world,
+                "parameter_bytes": parameter_bytes,
+                "gradient_bytes": gradient_bytes,
+                "largest_block_bytes": largest_block,
+                "optimizer_state_bytes": _optimizer_state_bytes(applied.optimizer, gradient_bytes),
+            }
+
+        measurement = TrialMeasurement(
+            settings.trial_dir,
+            meter,
+            samples_per_step=micro * accumulation * world,
+            micro_batch=micro,
+            warmup=settings.warmup_steps,
+            measured=settings.measured_steps,
+            device=device,
+            describe=describe,
+        )
+        measurement.attach(applied.model, applied.optimizer, block_classes)
+    return prepared

@@ -1,0 +1,158 @@
+"""A level-2 configuration's data-parallel strategy and activation checkpointing, applied to a
+model and its optimizer with torch's own building blocks.
+
+======  ==========================================================================
+stage   what wraps the model and the optimizer
+======  ==========================================================================
+0       distune's :class:`DistributedDataParallel`; the user's optimizer unchanged
+1       distune's DDP, the optimizer rebuilt as ``ZeroRedundancyOptimizer`` (state sharded)
+2       torch FSDP ``SHARD_GRAD_OP``: gradients and state sharded, parameters kept after forward
+3       torch FSDP ``FULL_SHARD``: parameters resharded after forward too
+======  ==========================================================================
+
+FSDP wraps each repeated block (the members of a ``ModuleList`` or ``Sequential`` of two or more
+modules of one class) as its own unit, so only one block's parameters are gathered at a time.
+Activation checkpointing wraps the same blocks with ``checkpoint_wrapper`` (non-reentrant
+``torch.utils.checkpoint``): their activations are recomputed in backward instead of kept.
+A rebuilt optimizer has the user's class and hyperparameters, group by group; it must be fresh
+(no state), as it is when built right before training.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from distune.errors import DistuneError
+from distune.worker_runtime.distributed import DistributedDataParallel
+
+_SHARDING = {2: ShardingStrategy.SHARD_GRAD_OP, 3: ShardingStrategy.FULL_SHARD}
+# FSDP names its wrapped modules' parameters with this prefix; the original names lack it.
+_FSDP_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+class StrategyError(DistuneError, ValueError):
+    """The model or optimizer cannot take the requested strategy; the message says why."""
+
+
+@dataclass(frozen=True)
+class Applied:
+    """The wrapped model and the optimizer to step, as the training loop uses them."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+
+def repeated_blocks(model: nn.Module) -> tuple[type[nn.Module], ...]:
+    """Classes of the model's repeated blocks: two or more of one class in a list of modules."""
+    classes: dict[type[nn.Module], None] = {}
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList | nn.Sequential):
+            children = list(module.children())
+            kinds = {type(child) for child in children}
+            if len(children) >= 2 and len(kinds) == 1:
+                classes[next(iter(kinds))] = None
+    return tuple(classes)
+
+
+def _clean(name: str) -> str:
+    for prefix in _FSDP_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _groups_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
+    """The optimizer's groups with parameter names instead of parameters."""
+    if optimizer.state:
+        raise StrategyError(
+            "distune.prepare needs a fresh optimizer (no state yet): build it, then prepare, "
+            "then train"
+        )
+    names = {id(p): name for name, p in model.named_parameters()}
+    groups = []
+    for group in optimizer.param_groups:
+        missing = [p for p in group["params"] if id(p) not in names]
+        if missing:
+            raise StrategyError("the optimizer holds parameters that are not the model's")
+        options = {key: value for key, value in group.items() if key != "params"}
+        groups.append({"names": [names[id(p)] for p in group["params"]], **options})
+    return groups
+
+
+def _constructor_options(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's defaults that its constructor takes (some, like AdamW's
+    ``decoupled_weight_decay``, are set by the class itself)."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return {key: value for key, value in optimizer.defaults.items() if key in accepted}
+
+
+def _rebuild(
+    optimizer: torch.optim.Optimizer, model: nn.Module, groups: list[dict]
+) -> torch.optim.Optimizer:
+    by_name = {_clean(name): p for name, p in model.named_parameters()}
+    param_groups = [
+        {"params": [by_name[n] for n in g["names"]], **{k: v for k, v in g.items() if k != "names"}}
+        for g in groups
+    ]
+    return type(optimizer)(param_groups, **_constructor_options(optimizer))
+
+
+def apply(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    stage: int,
+    checkpointing: bool,
+    device: torch.device,
+    name: str = "model0",
+    blocks: Sequence[type[nn.Module]] | None = None,
+) -> Applied:
+    """Wrap ``model`` (and rebuild ``optimizer`` where the stage needs it)."""
+    block_classes = tuple(blocks) if blocks is not None else repeated_blocks(model)
+    if (checkpointing or stage == 3) and not block_classes:
+        raise StrategyError(
+            f"{'activation checkpointing' if checkpointing else 'ZeRO-3'} needs repeated blocks "
+            "(two or more modules of one class in a ModuleList or Sequential), or pass "
+            "blocks=(YourBlock,) to distune.prepare"
+        )
+    groups = _groups_by_name(model, optimizer)
+    if checkpointing:
+        apply_activation_checkpointing(
+            model,
+            checkpoint_wrapper_fn=functools.partial(
+                checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+            ),
+            check_fn=lambda module: isinstance(module, block_classes),
+        )
+    device_ids = [device.index] if device.type == "cuda" else None
+    if stage in (0, 1):
+        wrapped: nn.Module = DistributedDataParallel(model, name=name, device_ids=device_ids)
+        if stage == 0:
+            return Applied(wrapped, optimizer)
+        zero = ZeroRedundancyOptimizer(
+            [dict(group) for group in optimizer.param_groups],
+            optimizer_class=type(optimizer),
+            **_constructor_options(optimizer),
+        )
+        return Applied(wrapped, zero)
+    policy = ModuleWrapPolicy(set(block_classes)) if block_classes else None
+    wrapped = FullyShardedDataParallel(
+        model,
+        sharding_strategy=_SHARDING[stage],
+        auto_wrap_policy=policy,
+        use_orig_params=True,
+        device_id=device,
+    )
+    return Applied(wrapped, _rebuild(optimizer, wrapped, groups))

@@ -1,0 +1,146 @@
+"""``distune.prepare`` in real 2-rank gloo jobs: every strategy trains the same model, and the
+device memory cap makes out-of-memory real on CPU.
+
+This file is also the worker script (see ddp_launch). The configuration reaches ``prepare``
+through the ``DISTUNE_*`` variables the launcher sets, set here in-process between runs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from ddp_launch import run_job, worker_main
+from torch import nn
+
+import distune
+from distune.trial_settings import (
+    ACCUMULATION,
+    CHECKPOINTING,
+    DEVICE_MEMORY,
+    MICRO_BATCH,
+    ZERO_STAGE,
+)
+
+pytestmark = pytest.mark.slow
+SCENARIOS = {}
+STEPS = 3
+PER_RANK = 4  # samples per rank per optimizer step
+
+
+def scenario(fn):
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+class Block(nn.Module):
+    """A residual MLP block: the model's repeated unit (FSDP's and checkpointing's)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(self.norm(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 32, depth: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def train(stage: int, checkpointing: bool, micro: int) -> list[float]:
+    """Losses of STEPS optimizer steps on this rank's fixed data, under one configuration."""
+    os.environ.update(
+        {
+            ZERO_STAGE: str(stage),
+            CHECKPOINTING: str(int(checkpointing)),
+            MICRO_BATCH: str(micro),
+            ACCUMULATION: str(PER_RANK // micro),
+        }
+    )
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run = distune.prepare(model, optimizer, micro_batch_size=PER_RANK, name=f"net{stage}{micro}")
+    assert (run.micro_batch_size, run.gradient_accumulation_steps) == (micro, PER_RANK // micro)
+    data = torch.Generator().manual_seed(100 + rank)
+    x, y = torch.randn(PER_RANK, 8, generator=data), torch.randn(PER_RANK, 1, generator=data)
+    losses = []
+    for _ in range(STEPS):
+        total = 0.0
+        for i, (xs, ys) in enumerate(zip(x.split(micro), y.split(micro), strict=True)):
+            with run.accumulate(i):
+                loss = nn.functional.mse_loss(run.model(xs), ys) / run.gradient_accumulation_steps
+                loss.backward()
+            total += loss.item()
+        run.optimizer.step()
+        run.optimizer.zero_grad()
+        losses.append(total)
+    return losses
+
+
+@scenario
+def strategies_train_the_same_model(out: Path) -> dict:
+    configs = [
+        (0, False, 4),
+        (0, False, 1),
+        (1, False, 2),
+        (2, False, 4),
+        (3, False, 2),
+        (3, True, 1),
+        (0, True, 4),
+    ]
+    return {f"{s}/{c}/{m}": train(s, c, m) for s, c, m in configs}
+
+
+@scenario
+def memory_cap_raises_out_of_memory(out: Path) -> dict:
+    os.environ[DEVICE_MEMORY] = str(64 * 2**10)  # the model (~14 KiB) and a little more
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = distune.prepare(model, optimizer, micro_batch_size=4)
+    small = run.model(torch.randn(4, 8)).sum()
+    small.backward()
+    fitted = run.memory.peak_bytes()
+    try:
+        run.model(torch.randn(4096, 8)).sum().backward()
+    except torch.OutOfMemoryError as error:
+        return {"fitted_peak": fitted, "oom": str(error)}
+    return {"fitted_peak": fitted, "oom": None}
+
+
+def test_every_strategy_gives_ddps_losses_at_the_same_global_batch(tmp_path):
+    results = run_job(__file__, "strategies_train_the_same_model", tmp_path, timeout=180)
+    for rank_result in results:
+        # Each rank's losses are on its own data: compare within the rank.
+        reference = rank_result["0/False/4"]
+        for config, losses in rank_result.items():
+            torch.testing.assert_close(losses, reference, rtol=1e-5, atol=1e-6, msg=config)
+    job_loss = [sum(r["0/False/4"][step] for r in results) for step in range(STEPS)]
+    assert job_loss[-1] < job_loss[0]  # it trains: the job's loss, whose gradient each rank steps
+
+
+def test_the_memory_cap_raises_torchs_out_of_memory_error_on_cpu(tmp_path):
+    results = run_job(__file__, "memory_cap_raises_out_of_memory", tmp_path)
+    for result in results:
+        assert 0 < result["fitted_peak"] <= 64 * 2**10
+        assert "over the cap of 65536 bytes" in result["oom"]
+
+
+if __name__ == "__main__":
+    worker_main(SCENARIOS)

@@ -1,0 +1,92 @@
+"""Level 2's launcher side without processes: outcomes from the ranks' reports, the script's
+mapped flags, the command that runs the winner with tuning off, and the level-2 flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from distune.launcher.level2 import command_without_tuning, rewrite_script_args
+from distune.launcher.options import parse, trial_pins
+from distune.launcher.trial_runner import classify
+from distune.tuning_service.trials.trial_config import TrialPins
+
+OK_RESULT = {"outcome": "ok", "throughput": 10.0}
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "timed_out", "reports", "result", "expected"),
+    [
+        (0, False, [{"outcome": "ok"}, {"outcome": "ok"}], OK_RESULT, "ok"),
+        # One rank ran out of memory; its peer failed in a collective: the trial is oom.
+        (1, False, [{"outcome": "crash", "error": "gloo"}, {"outcome": "oom", "error": "OOM"}], None, "oom"),
+        (137, False, [], None, "oom"),
+        (1, True, [], None, "timeout"),
+        (1, False, [{"outcome": "crash", "error": "ValueError: x"}], None, "crash"),
+        (0, False, [], None, "invalid"),
+        (1, False, [], None, "crash"),
+    ],
+)
+def test_outcome_comes_from_reports_and_exit_status(exit_code, timed_out, reports, result, expected):
+    outcome, _ = classify(exit_code, timed_out, reports, result, "some log")
+    assert outcome == expected
+
+
+def test_the_word_error_in_the_log_does_not_fail_an_ok_trial() -> None:
+    assert classify(0, False, [], OK_RESULT, "error: everything is fine")[0] == "ok"
+
+
+def test_a_crash_carries_the_failing_ranks_traceback_tail() -> None:
+    _, error = classify(1, False, [{"outcome": "crash", "error": "ValueError: bad"}], None, "")
+    assert error == "ValueError: bad"
+
+
+def test_mapped_flags_are_rewritten_in_both_spellings() -> None:
+    pins = TrialPins(arg_mappings=(("gradient_accumulation_steps", "--accum"), ("train_micro_batch_size_per_gpu", "--bs")))
+    args = ["--bs", "4", "--lr", "0.1", "--accum=2", "--steps", "10"]
+    assert rewrite_script_args(args, pins, 8, 1) == ["--lr", "0.1", "--steps", "10", "--accum", "1", "--bs", "8"]
+    assert rewrite_script_args(args, TrialPins(), 8, 1) == args  # unmapped: left alone
+
+
+def test_the_best_command_keeps_torchrun_flags_and_turns_tuning_off() -> None:
+    argv = [
+        "--nproc_per_node", "2", "--autotune_level", "2", "--autotune-device-memory=1GiB",
+        "--autotune_allow_batch_change", "--autotune_max_trials", "5", "train.py", "--autotune_level", "7",
+    ]
+    args, _ = parse(argv)
+    command = command_without_tuning(argv, args, Path("/r/best_config.json"))
+    assert command == [
+        "distune-run", "--nproc_per_node", "2", "--autotune_level", "0",
+        "--autotune_config", "/r/best_config.json", "train.py", "--autotune_level", "7",
+    ]
+
+
+def test_level2_flags_and_config_keys(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("zero_optimization: {stage: 1}\narg_mappings: {train_micro_batch_size_per_gpu: --bs}\n")
+    args, options = parse([
+        "--autotune_level", "2", "--autotune_device_memory", "512MiB", "--autotune_metric", "latency",
+        "--autotune_config", str(config), "t.py",
+    ])
+    assert options.autotune_device_memory == 512 * 2**20
+    assert options.autotune_metric == "latency"
+    assert trial_pins(args).stage == 1
+    assert trial_pins(args).flag_for("train_micro_batch_size_per_gpu") == "--bs"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--autotune_device_memory", "lots"], "must be a number of bytes like 536870912, 512MiB or 2GiB"),
+        (["--autotune_metric", "speed"], "must be one of throughput, latency"),
+        (["--autotune_mode", "dry"], "must be one of tune, run"),
+        (["--autotune_max_trials", "1"], "must be an integer of at least 2"),
+        (["--autotune_resume", "/nonexistent/x"], "does not exist"),
+    ],
+)
+def test_bad_level2_flags_exit_2_naming_the_flag(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse([*argv, "t.py"])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,317 @@
+"""Level 2's torch-free trial search: the space, the memory model and the policy.
+
+The policy runs against a simulated job whose true peak memory and throughput are known, so
+each test can say what the right next trial is.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import replace
+
+import pytest
+
+from distune.tuning_service.trials.memory_model import MemoryModel, ModelFacts
+from distune.tuning_service.trials.trial_config import TrialConfig, TrialConfigError, TrialPins
+from distune.tuning_service.trials.trial_result import (
+    CRASH,
+    LATENCY,
+    OK,
+    OOM,
+    THROUGHPUT,
+    TrialResult,
+)
+from distune.tuning_service.trials.trial_search import TrialSearch
+from distune.tuning_service.trials.trial_space import TrialSpace
+
+MiB = 2**20
+WORLD = 2
+BASELINE = TrialConfig(micro_batch=2, accumulation=8, stage=0, checkpointing=False)
+
+
+def facts(activation: int = 10 * MiB) -> ModelFacts:
+    """A model of 100 MiB of parameters with Adam (2x state), profiled at BASELINE."""
+    return ModelFacts(
+        parameter_bytes=100 * MiB,
+        gradient_bytes=100 * MiB,
+        optimizer_state_bytes=200 * MiB,
+        largest_block_bytes=10 * MiB,
+        activation_bytes_per_sample=activation,
+        profile=BASELINE,
+        profile_peak_bytes=400 * MiB + 2 * activation + 5 * MiB,
+        world_size=WORLD,
+    )
+
+
+def true_peak(config: TrialConfig) -> int:
+    """The simulated job's real peak: the formula, 5 MiB of slack, checkpointing saves 70%."""
+    activation = 10 * MiB * (0.3 if config.checkpointing else 1.0)
+    return round(facts().state_bytes(config.stage) + 5 * MiB + activation * config.micro_batch)
+
+
+def speed(config: TrialConfig) -> float:
+    """Samples a second: larger micro-batches help, sharding and recomputation cost."""
+    return (
+        100.0
+        * (1 - 0.5 / (1 + config.micro_batch))
+        * (1 - 0.04 * config.stage)
+        * (0.75 if config.checkpointing else 1.0)
+    )
+
+
+def run_search(
+    search: TrialSearch,
+    cap: int | None,
+    throughput: Callable[[TrialConfig], float] = speed,
+) -> list[TrialResult]:
+    """Drive ``search`` to the end against the simulated job."""
+    ran: list[TrialResult] = []
+    while (proposal := search.next_trial()) is not None:
+        config = proposal.config
+        peak = true_peak(config)
+        ok = cap is None or peak <= cap
+        samples = throughput(config)
+        result = TrialResult(
+            trial=len(search.results),
+            config=config,
+            world_size=WORLD,
+            outcome=OK if ok else OOM,
+            purpose=proposal.purpose,
+            throughput=samples if ok else None,
+            step_seconds=config.global_batch(WORLD) / samples if ok else None,
+            peak_memory_bytes=peak if ok else None,
+            predicted_memory_bytes=proposal.predicted_memory_bytes,
+        )
+        search.record(result)
+        ran.append(result)
+    return ran
+
+
+def new_search(
+    cap: int | None,
+    pins: TrialPins | None = None,
+    max_trials: int = 30,
+    metric: str = THROUGHPUT,
+    allow_batch_change: bool = False,
+) -> TrialSearch:
+    space = TrialSpace(pins or TrialPins(), WORLD, BASELINE, allow_batch_change)
+    return TrialSearch(space, MemoryModel(facts()), cap, max_trials, metric)
+
+
+# -- the space -------------------------------------------------------------------------------
+
+
+def test_micro_batches_hold_the_global_batch() -> None:
+    space = TrialSpace(TrialPins(), WORLD, BASELINE)
+    assert space.global_batch == 32
+    assert space.micro_batches() == (1, 2, 4, 8, 16)
+    assert {space.config(0, False, m).global_batch(WORLD) for m in space.micro_batches()} == {32}
+
+
+def test_pinned_values_restrict_the_space() -> None:
+    pins = TrialPins(accumulation=4, stage=2, checkpointing=False)
+    space = TrialSpace(pins, WORLD, BASELINE)
+    assert space.micro_batches() == (4,)
+    assert space.stages() == (2,)
+    assert space.checkpointing() == (False,)
+
+
+def test_pinned_global_batch_wins_over_the_baseline() -> None:
+    space = TrialSpace(TrialPins(global_batch=8), WORLD, BASELINE)
+    assert space.micro_batches() == (1, 2, 4)
+
+
+def test_batch_change_keeps_accumulation_and_says_what_changed() -> None:
+    space = TrialSpace(TrialPins(), WORLD, BASELINE, allow_batch_change=True)
+    assert 64 in space.micro_batches()
+    config = space.config(0, False, 4)
+    assert config.accumulation == BASELINE.accumulation
+    assert space.batch_change(config) == "global batch 32 -> 64 (--autotune_allow_batch_change)"
+
+
+@pytest.mark.parametrize(
+    ("pins", "message"),
+    [
+        (TrialPins(global_batch=33), "does not divide among 2 ranks"),
+        (TrialPins(micro_batch=3), "no micro-batch x accumulation gives"),
+        (TrialPins(micro_batch=2, accumulation=2, global_batch=16), "is not"),
+    ],
+)
+def test_impossible_pins_are_refused(pins: TrialPins, message: str) -> None:
+    with pytest.raises(TrialConfigError, match=message):
+        TrialSpace(pins, WORLD, BASELINE)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu must be"),
+        ({"zero_optimization": {"stage": 4}}, "stage 0, 1, 2 or 3"),
+        ({"activation_checkpointing": "yes"}, "activation_checkpointing must be"),
+        ({"arg_mappings": {"train_batch_size": "--bs"}}, "cannot map 'train_batch_size'"),
+        ({"arg_mappings": {"gradient_accumulation_steps": "accum"}}, "one of the script's flags"),
+    ],
+)
+def test_bad_config_values_name_the_key(data: dict, message: str) -> None:
+    with pytest.raises(TrialConfigError, match=message):
+        TrialPins.from_config(data)
+
+
+def test_config_round_trips_through_the_config_keys() -> None:
+    config = TrialConfig(4, 2, 3, True)
+    data = config.to_config(WORLD)
+    assert data["train_batch_size"] == 16
+    assert TrialConfig.from_config(data) == config
+    assert TrialPins.from_config({"activation_checkpointing": {"enabled": True}}).checkpointing
+
+
+# -- the memory model ------------------------------------------------------------------------
+
+
+def test_prediction_is_exact_at_the_profile_and_shards_by_stage() -> None:
+    model = MemoryModel(facts())
+    assert model.predict(BASELINE) == facts().profile_peak_bytes
+    by_stage = [model.predict(TrialConfig(2, 8, stage, False)) for stage in range(4)]
+    assert by_stage == sorted(by_stage, reverse=True)  # each stage shards more
+
+
+def test_one_measurement_fixes_its_family_offset_and_two_fit_the_slope() -> None:
+    model = MemoryModel(facts())
+    zero3 = TrialConfig(4, 4, 3, False)
+    model.observe(zero3, true_peak(zero3))
+    assert model.predict(TrialConfig(8, 2, 3, False)) == true_peak(TrialConfig(8, 2, 3, False))
+
+
+def test_checkpointing_is_bounded_by_the_uncheckpointed_slope_until_measured() -> None:
+    model = MemoryModel(facts())
+    on, off = TrialConfig(16, 1, 0, True), TrialConfig(16, 1, 0, False)
+    assert model.predict(on) == model.predict(off)  # an upper bound, never an underestimate
+    model.observe(TrialConfig(4, 4, 0, True), true_peak(TrialConfig(4, 4, 0, True)))
+    assert model.predict(on) == pytest.approx(true_peak(on), rel=1e-6)
+
+
+# -- the policy ------------------------------------------------------------------------------
+
+
+def test_no_trial_is_launched_that_is_predicted_not_to_fit() -> None:
+    cap = 460 * MiB
+    search = new_search(cap)
+    for result in run_search(search, cap):
+        assert result.predicted_memory_bytes is not None
+        assert result.predicted_memory_bytes <= cap
+
+
+def test_under_a_cap_sharding_or_checkpointing_reaches_the_best_micro_batch() -> None:
+    cap = 420 * MiB  # DDP fits micro-batch 1 only; sharded stages fit up to 16
+    search = new_search(cap)
+    ran = run_search(search, cap)
+    feasible = [
+        search.space.config(s, c, m)
+        for s in range(4)
+        for c in (False, True)
+        for m in search.space.micro_batches()
+        if true_peak(search.space.config(s, c, m)) <= cap
+    ]
+    assert search.best() == max(feasible, key=speed)
+    assert len(ran) < len(feasible)  # fewer trials than the exhaustive grid
+
+
+def test_an_out_of_memory_trial_prunes_larger_micro_batches_of_its_family() -> None:
+    search = new_search(None)
+    search.record(TrialResult(0, TrialConfig(8, 2, 1, False), WORLD, OOM, peak_memory_bytes=None))
+    proposal = search._next_in_family(1, False)
+    assert proposal is not None and proposal.config.micro_batch == 4
+    assert "pruned" in search.decisions[-1]
+
+
+def test_a_crashed_family_is_given_up_and_the_search_goes_on() -> None:
+    search = new_search(None, max_trials=10)
+    search.record(TrialResult(0, TrialConfig(16, 1, 0, False), WORLD, CRASH, error="boom"))
+    proposal = search.next_trial()
+    assert proposal is not None and proposal.config.stage == 1
+
+
+def test_near_full_steps_down_while_smaller_is_faster() -> None:
+    cap = 600 * MiB  # DDP fits 16 at 565 MiB: near full
+
+    def slower_when_full(config: TrialConfig) -> float:
+        return speed(config) * (0.7 if true_peak(config) > 0.85 * cap else 1.0)
+
+    search = new_search(cap, pins=TrialPins(stage=0, checkpointing=False))
+    ran = run_search(search, cap, slower_when_full)
+    assert [r.config.micro_batch for r in ran if r.purpose == "search"] == [16, 8, 4]
+    assert search.best() == TrialConfig(8, 2, 0, False)
+
+
+def test_pins_are_never_changed_and_the_global_batch_is_fixed() -> None:
+    pins = TrialPins(stage=1, checkpointing=True)
+    search = new_search(None, pins=pins)
+    ran = run_search(search, None)
+    assert ran
+    assert {(r.config.stage, r.config.checkpointing) for r in ran} == {(1, True)}
+    assert {r.config.global_batch(WORLD) for r in ran} == {32}
+
+
+def test_the_best_two_are_measured_again_within_the_budget() -> None:
+    search = new_search(None, max_trials=6)
+    ran = run_search(search, None)
+    assert len(ran) == 6
+    remeasured = [r.config for r in ran if r.purpose == "remeasure"]
+    assert len(remeasured) == 2
+    assert {c for c, _ in search.ranking()[:2]} <= {r.config for r in ran}
+
+
+def test_latency_is_minimised() -> None:
+    # Throughput and step time disagree only when the global batch changes.
+    search = new_search(None, max_trials=12, metric=LATENCY, allow_batch_change=True)
+    run_search(search, None)
+    ok = [r for r in search.results if r.outcome == OK]
+    fastest_step = min(ok, key=lambda r: r.step_seconds)  # type: ignore[arg-type, return-value]
+    most_samples = max(ok, key=lambda r: r.throughput)  # type: ignore[arg-type, return-value]
+    assert search.best() == fastest_step.config == TrialConfig(1, 8, 0, False)
+    assert most_samples.config != fastest_step.config
+
+
+def test_a_profile_below_the_largest_fitting_micro_batch_does_not_stop_its_family() -> None:
+    search = new_search(None)
+    profile = BASELINE
+    search.record(
+        TrialResult(
+            0,
+            profile,
+            WORLD,
+            OK,
+            purpose="profile",
+            throughput=speed(profile),
+            step_seconds=32 / speed(profile),
+            peak_memory_bytes=true_peak(profile),
+        )
+    )
+    proposal = search.next_trial()
+    assert proposal is not None and proposal.config == TrialConfig(16, 1, 0, False)
+
+
+def test_the_profiles_checkpointed_estimate_is_the_prior_of_checkpointed_families() -> None:
+    measured = replace(facts(), checkpointed_bytes_per_sample=3 * MiB)
+    model = MemoryModel(measured)
+    on = TrialConfig(16, 1, 0, True)
+    assert model.predict(on) == round(measured.state_bytes(0) + measured.residual_bytes + 48 * MiB)
+
+
+def test_a_trial_record_round_trips_through_trials_jsonl() -> None:
+    result = TrialResult(
+        3,
+        TrialConfig(4, 4, 2, True),
+        WORLD,
+        OK,
+        purpose="remeasure",
+        throughput=12.5,
+        throughput_spread=0.1,
+        step_seconds=2.56,
+        peak_memory_bytes=10,
+        predicted_memory_bytes=11,
+        duration=1.5,
+        log_path="/r/log.txt",
+    )
+    assert TrialResult.from_json(json.loads(json.dumps(result.to_json()))) == result
