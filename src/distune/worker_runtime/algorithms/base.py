@@ -19,7 +19,18 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from distune.errors import DistuneError
 from distune.worker_runtime.buckets import Bucket
+
+
+class AlgorithmError(DistuneError, ValueError):
+    """An algorithm was configured with a value it does not allow; the message names the
+    argument and what is allowed."""
+
+
+class ModelAveragingError(DistuneError, RuntimeError):
+    """Model averaging cannot go on: used after ``finish()``, or its background exchange
+    failed (the cause is chained)."""
 
 
 class GradientExchange(Protocol):

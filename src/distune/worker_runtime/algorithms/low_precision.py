@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from distune.worker_runtime.algorithms.base import (
     Algorithm,
+    AlgorithmError,
     BucketOrder,
     Buckets,
     GradientExchange,
@@ -73,13 +74,13 @@ class LowPrecision(Algorithm):
 
     def __post_init__(self) -> None:
         if self.bits not in (8, 16):
-            raise ValueError(f"LowPrecision bits must be 8 or 16, got {self.bits!r}")
+            raise AlgorithmError(f"LowPrecision bits must be 8 or 16, got {self.bits!r}")
         if self.bits == 8 and self.dtype is not None:
-            raise ValueError("LowPrecision(bits=8) quantizes to integers: give no dtype")
+            raise AlgorithmError("LowPrecision(bits=8) quantizes to integers: give no dtype")
         if self.bits == 16:
             name = "fp16" if self.dtype is None else self.dtype
             if name not in _DTYPES:
-                raise ValueError(
+                raise AlgorithmError(
                     f"LowPrecision dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}"
                 )
             object.__setattr__(self, "_cast", _DTYPES[name])
