@@ -303,6 +303,28 @@ def through_the_wrapper(out: Path) -> dict[str, Any]:
 
 
 @scenario
+def hierarchical_low_precision(out: Path) -> dict[str, Any]:
+    """2 nodes x 2 ranks: exact inside the node, 8-bit between the node leaders."""
+    import distune
+
+    ours = distune.DistributedDataParallel(_mlp(), algorithm=LowPrecision(bits=8))
+    flat = distune.DistributedDataParallel(
+        _mlp(), algorithm=LowPrecision(bits=8, hierarchical=False)
+    )
+    ref = nn.parallel.DistributedDataParallel(_mlp())
+    assert ours.topology.hierarchical_possible  # so the leaders' exchange is what ran
+    for step in range(3):
+        for model in (ours, flat, ref):
+            model.zero_grad()
+            model(_batch(step)).pow(2).mean().backward()
+        scale = max(float(b.grad.abs().max()) for b in ref.parameters())
+        for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=4 * 2 * scale / 255)
+            assert all(torch.equal(a.grad, other) for other in _gather(a.grad.contiguous()))
+    return {}
+
+
+@scenario
 def model_averaging(out: Path) -> dict[str, Any]:
     return {"decentralized": decentralized(out), "async_model_average": async_model_average(out)}
 
@@ -313,6 +335,10 @@ def test_comm_hooks_give_torch_ddps_gradients(tmp_path):
 
 def test_algorithms_through_the_wrapper(tmp_path):
     run_job(__file__, "through_the_wrapper", tmp_path)
+
+
+def test_hierarchical_low_precision_on_two_nodes_of_two_ranks(tmp_path):
+    run_job(__file__, "hierarchical_low_precision", tmp_path, nodes=2, per_node=2)
 
 
 def test_low_precision_within_one_step_and_error_feedback_keeps_the_sum(tmp_path):
