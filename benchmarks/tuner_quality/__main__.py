@@ -38,7 +38,7 @@ from benchmarks.tuner_quality.compare import (
     plot,
     summary_table,
 )
-from benchmarks.tuner_quality.landscapes import standard_suite
+from benchmarks.tuner_quality.landscapes import Landscape, standard_suite
 from benchmarks.tuner_quality.measurement import NoiseModel
 from benchmarks.tuner_quality.random_clusters import (
     HELD_OUT_SEED,
@@ -91,6 +91,37 @@ def sweep() -> list[Tuner]:
     ]
 
 
+def _tuners(args: argparse.Namespace) -> list[Tuner]:
+    """The tuners the command line asks for."""
+    tuners: list[Tuner] = [
+        DistuneTuner(),
+        RandomSearch(),
+        GridSearch(),
+        BaguaStyle(acquisition_points=300 if args.draw else 1000),
+        HorovodStyle(),
+    ]
+    if args.sweep:
+        tuners += sweep()
+    if args.only:
+        wanted = set(args.only.split(","))
+        tuners = [t for t in tuners if t.name in wanted]
+    return tuners
+
+
+def _landscapes(args: argparse.Namespace) -> tuple[list[Landscape], NoiseModel]:
+    """The landscapes the command line asks for, and the noise they are measured with."""
+    if args.draw:
+        seed = TRAINING_SEED if args.draw == "training" else HELD_OUT_SEED
+        landscapes = draw(seed, args.count)
+        noise = DRAW_NOISE
+    else:
+        landscapes = standard_suite()
+        noise = NoiseModel()
+    if args.landscapes:
+        landscapes = [ls for ls in landscapes if args.landscapes in ls.name]
+    return landscapes, noise
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the comparison and print markdown tables (and JSON with --json)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tuner_quality")
@@ -138,27 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     budgets = sorted({int(k) for k in f"{args.budgets},{args.checkpoints}".split(",")})
     checkpoints = [int(k) for k in args.checkpoints.split(",")]
 
-    tuners: list[Tuner] = [
-        DistuneTuner(),
-        RandomSearch(),
-        GridSearch(),
-        BaguaStyle(acquisition_points=300 if args.draw else 1000),
-        HorovodStyle(),
-    ]
-    if args.sweep:
-        tuners += sweep()
-    if args.only:
-        wanted = set(args.only.split(","))
-        tuners = [t for t in tuners if t.name in wanted]
-    if args.draw:
-        seed = TRAINING_SEED if args.draw == "training" else HELD_OUT_SEED
-        landscapes = draw(seed, args.count)
-        noise = DRAW_NOISE
-    else:
-        landscapes = standard_suite()
-        noise = NoiseModel()
-    if args.landscapes:
-        landscapes = [ls for ls in landscapes if args.landscapes in ls.name]
+    tuners = _tuners(args)
+    landscapes, noise = _landscapes(args)
     started = time.perf_counter()
     mine = [t for t in tuners if t.name == "distune"]
     others = [t for t in tuners if t.name != "distune"]

@@ -281,8 +281,8 @@ class AutotuneOptions:
     )
     autotune_device_memory: int | None = flag_field(
         _memory_size,
-        "cap each rank's tensor memory (e.g. 512MiB, 2GiB): over it a step raises "
-        "torch.OutOfMemoryError, on CPU too",
+        "cap each rank's tensor memory (e.g. 512MiB, 2GiB) in scripts that use "
+        "distune.prepare: over it a step raises torch.OutOfMemoryError, on CPU too",
         "BYTES",
     )
     autotune_trial_timeout: float | None = flag_field(

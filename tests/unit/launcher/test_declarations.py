@@ -6,18 +6,41 @@ from pathlib import Path
 
 import pytest
 
+from distune import trial_settings
 from distune.launcher.options import AutotuneOptions, build_parser, flag_table, flags, parse
 from distune.launcher.plan import plan_launch
-from distune.tuning_service.config import OptimizerSettings, TuningConfig, declared
+from distune.tuning_service.config import (
+    OptimizerSettings,
+    TuningConfig,
+    declared,
+    setting_table,
+)
 from distune.tuning_service.server import _config, _parser
+from distune.worker_settings import variable_table
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+REPO = Path(__file__).resolve().parents[3]
+README = REPO / "README.md"
 
 
 def test_readme_flag_table_is_the_declared_one():
     assert flag_table() in README.read_text(encoding="utf-8"), (
         "README's launcher table differs from the flags' declarations; paste flag_table()"
     )
+
+
+def test_readme_variable_table_is_the_declared_one():
+    assert variable_table(trial_settings.VARIABLES) in README.read_text(encoding="utf-8"), (
+        "README's DISTUNE_* table differs from the VARIABLES of worker_settings and trial_settings; paste variable_table()"
+    )
+
+
+def test_the_tuning_service_page_shows_the_declared_settings():
+    page = (REPO / "docs" / "tuning_service.md").read_text(encoding="utf-8")
+    for settings in (TuningConfig, OptimizerSettings):
+        assert setting_table(settings) in page, (
+            f"docs/tuning_service.md's {settings.__name__} table differs from its declaration; "
+            "paste setting_table()"
+        )
 
 
 def test_every_autotune_flag_is_declared_and_parsed_in_both_spellings():
