@@ -2,7 +2,8 @@
 
 ``warmup`` -> ``sampling`` -> ``completed``, decided from the reports and their ``seconds``
 only, never a clock. docs/tuning_service.md ("The session") states the rules once: what a
-sample is, stalled windows, how the next group is chosen, confirmation and completion.
+sample is, stalled windows, hopeless samples ended early, how the next group is chosen,
+confirmation, the gain's interval and completion, and the reopening on drift.
 
 A session is not thread-safe: the service holds a lock per session, and readers take the
 immutable :class:`SessionView` published after every change. ``report(..., decide=False)``
