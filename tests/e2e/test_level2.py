@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.e2e.conftest import SCRIPTS
 
 from distune.launcher.options import parse, trial_pins
+from tests.e2e.conftest import SCRIPTS
 
 pytestmark = pytest.mark.slow
 WORKER = str(SCRIPTS / "level2_worker.py")

@@ -15,8 +15,8 @@ from distune.tuning_service.messages import Registration, Report
 from distune.tuning_service.service import TuningService
 from distune.tuning_service.session import StaleGroupError
 from distune.tuning_service.tuning_log import COLUMNS, TuningLog
+from tests.support.models import SINGLE_NODE_REGISTRATION as FACTS
 
-FACTS = {"world_size": 2, "nnodes": 1, "local_world_size": 2, "gradient_bytes": 2**24}
 #: Iterations per second of each model's synthetic job, by bucket_size_2p: best at 2^20.
 MODELS = {
     "gpt": lambda p: 60.0 + 40.0 * math.exp(-(((p - 20) / 2.5) ** 2)),

@@ -71,6 +71,23 @@ def value_type(cls: type, name: str) -> type:
     return typing.cast(type, hint)
 
 
+def setting_table(cls: type) -> str:
+    """A markdown table of the declared settings of ``cls`` (field, default, meaning), as
+    docs/tuning_service.md shows them; a test keeps the page equal to it."""
+    rows = ["| field | default | meaning |", "|---|---|---|"]
+    defaults = cls()
+    for item, declaration in declared(cls):
+        default = getattr(defaults, item.name)
+        if isinstance(default, float):
+            shown = f"{default:g}"
+        elif hasattr(default, "__dataclass_fields__"):
+            shown = f"{type(default).__name__}()"
+        else:
+            shown = str(default)
+        rows.append(f"| `{item.name}` | {shown} | {declaration.help} |")
+    return "\n".join(rows) + "\n"
+
+
 def _validate(instance: Any) -> None:
     """Run every declared check of a settings dataclass; ConfigError names the field."""
     for item, declaration in declared(type(instance)):

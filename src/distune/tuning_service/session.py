@@ -1,45 +1,14 @@
 """One model's tuning session: the state machine that turns report windows into groups.
 
-States: ``warmup`` (the first ``warmup_time`` reported seconds are ignored) -> ``sampling``
-(each group is measured for at least ``sampling_confidence_time`` reported seconds and
-``min_windows`` windows, stalled windows not counted, then scored) -> ``completed`` (the best
-confirmed group, measured in two samples or more, by its robust score is handed out for good;
-the best of all only while no group is confirmed). The default group is handed out first and
-is the first group sampled.
+``warmup`` -> ``sampling`` -> ``completed``, decided from the reports and their ``seconds``
+only, never a clock. docs/tuning_service.md ("The session") states the rules once: what a
+sample is, stalled windows, how the next group is chosen, confirmation and completion.
 
-Everything the session decides follows from what it is told: the reports and their
-``seconds``, never a clock. It is not thread-safe; the service holds a lock per session. After
-every change it publishes an immutable :class:`SessionView`, which readers (``/status``,
-``/hyperparameters``) take without waiting for that lock.
-
-When a sample finishes, choosing the next group may fit the Gaussian process (tens of
-milliseconds). ``report(..., decide=False)`` leaves that choice pending, so the report that
-finished the sample is answered at once; the service then runs :meth:`TuningSession.choose_next`
-in a background worker (without the session's lock: while a choice is pending, reports touch
-nothing it reads) and :meth:`TuningSession.apply` under the lock. Windows reported meanwhile
-belong to a finished sample and are not scored, so the choice depends on the reports alone,
-never on how long it took: ``report(...)`` (``decide=True``) makes the same choices inline.
-
-How the next group is chosen (:meth:`TuningSession._next_sample`), in order:
-
-1. nothing left to tune, or ``max_samples`` taken: complete;
-2. the best group and its runners-up within ``confirm_margin`` (``confirm_top`` in all) are
-   *contenders*; one measured only once is re-measured ("confirm") when the search has
-   converged, or when the budget left is only enough for the contenders (and the last
-   sample never explores: what it found could not be confirmed). A confirmation that knocks
-   the leader down makes the next best a contender, confirmed in turn while budget remains;
-   when it runs out, a group measured once never wins over a confirmed one. Before completing
-   on a group other than the default, the default is measured a second time if budget remains,
-   so the gain over it compares two pooled scores (and a default that was only unlucky the
-   first time can still win);
-3. otherwise the optimizer proposes an unmeasured group ("initial" while the space-filling
-   design runs, "bayes" after). When every group has been measured, or (after
-   ``stop_min_groups`` groups, and ``stop_min_share`` of ``max_samples`` in groups) no
-   unmeasured group is expected to beat the best by ``stop_improvement``, the search has
-   converged: go to 2, then complete.
-
-A re-measured group's windows are pooled with its earlier ones, and the optimizer is told the
-pooled score, so a second sample refines the estimate rather than competing with the first.
+A session is not thread-safe: the service holds a lock per session, and readers take the
+immutable :class:`SessionView` published after every change. ``report(..., decide=False)``
+leaves the next group's choice (a Gaussian-process fit) pending for the service's worker
+(:meth:`TuningSession.choose_next`, then :meth:`TuningSession.apply` under the lock); windows
+reported meanwhile are not scored, so the choices equal those ``decide=True`` makes inline.
 """
 
 from __future__ import annotations

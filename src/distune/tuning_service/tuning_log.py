@@ -18,7 +18,7 @@ import os
 import stat
 import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from distune.errors import DistuneError
@@ -128,7 +128,7 @@ class TuningLog:
         with self._lock:
             self._file.close()
 
-    def _write(self, rows: list[list[str]] | list[tuple[str, ...]]) -> None:
+    def _write(self, rows: Sequence[Sequence[str]]) -> None:
         if not rows:
             return
         with self._lock:

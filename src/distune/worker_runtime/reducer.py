@@ -1,32 +1,13 @@
 """Bucketed gradient averaging that overlaps backward: flat or hierarchical allreduce.
 
-How one synchronised backward goes:
-
-* Each parameter's ``post_accumulate_grad`` hook fires once its gradient is complete for this
-  backward. Its ``.grad`` is (or is copied into and becomes) a view of its bucket. When every
-  parameter of a bucket is ready, the bucket is launched: divided by the world size (before the
-  sum, as torch DDP does, so half precision does not overflow; large gradients are divided as
-  they are copied in) and allreduced asynchronously while backward goes on. Buckets are
-  launched in one fixed order on every rank (bucket ``k+1`` waits for bucket ``k``), so the
-  ranks' collectives always pair up.
-* The first hook queues a callback that autograd runs when backward ends. It launches whatever
-  is left (buckets of parameters that got no gradient in this backward: see below), then waits
-  for every bucket. So **backward returns with averaged gradients**, as with torch DDP: code
-  between ``backward()`` and ``optimizer.step()`` (gradient clipping, scaling, logging) sees
-  the final gradients, and the allreduces still overlap the backward computation. On CUDA the
-  wait is a stream wait (the stream backward ran on waits for the communication), never a host
-  synchronisation; on CPU (gloo) the host must wait for the values anyway.
-
-Parameters that get no gradient in a backward are handled like torch DDP's
-``find_unused_parameters=True``, at no cost when every parameter is used: at the end of backward
-a parameter still not ready contributes what its ``.grad`` holds (zeros if it is ``None``).
-Each bucket's allreduce also sums a flag per parameter saying whether the rank had a gradient
-for it; a parameter whose ``.grad`` was ``None`` gets the averaged gradient if another rank had
-one, and keeps ``None`` if no rank did (so optimizers skip it, as with torch DDP).
-
-After the first synchronised backward, rank 0's order of gradient readiness is broadcast and the
-buckets are rebuilt in that order (as torch DDP does), so the first bucket to fill is the first
-launched.
+Each parameter's ``post_accumulate_grad`` hook marks it ready; a full bucket is divided by the
+world size and allreduced asynchronously while backward goes on, buckets in one fixed order on
+every rank so the collectives pair up. An autograd callback at the end of backward launches
+what is left (parameters that got no gradient, handled as torch DDP's
+``find_unused_parameters=True``) and waits, so ``backward()`` returns with averaged gradients.
+After the first backward, buckets are rebuilt in rank 0's order of readiness.
+docs/worker_runtime.md ("Buckets and gradients", "One backward", "Unused parameters") has
+the rules and the reasons; they are written there once.
 """
 
 from __future__ import annotations

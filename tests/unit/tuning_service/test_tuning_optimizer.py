@@ -7,8 +7,8 @@ import pytest
 from distune.space import FixedKnobs, Hyperparameters, ModelFacts, SearchSpace
 from distune.tuning_service.config import ConfigError, OptimizerSettings
 from distune.tuning_service.optimizer import GroupOptimizer
+from tests.support.models import MULTI_NODE as FACTS
 
-FACTS = ModelFacts(world_size=8, nnodes=2, local_world_size=4, gradient_bytes=2**24)
 SPACE = SearchSpace.for_model(FACTS)  # buckets 2^16..2^24, flat or hierarchical: 18 groups
 SMALL = SearchSpace.for_model(ModelFacts(8, 2, 4, 2**19))  # 2^16..2^19: 8 groups
 
