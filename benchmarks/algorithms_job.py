@@ -59,6 +59,7 @@ VARIANTS: dict[str, Callable[[nn.Module], nn.Module]] = {
     "torch DDP": lambda module: nn.parallel.DistributedDataParallel(module),
     "GradientAllReduce": _distune(algorithms.GradientAllReduce()),
     "LowPrecision(8 bit)": _distune(algorithms.LowPrecision(bits=8)),
+    "LowPrecision(8 bit, flat)": _distune(algorithms.LowPrecision(bits=8, hierarchical=False)),
     "LowPrecision(fp16)": _distune(algorithms.LowPrecision(bits=16, dtype="fp16")),
     "torch fp16_compress_hook": _distune_hook,
     "Decentralized(ring)": _distune(algorithms.Decentralized("ring")),

@@ -3,16 +3,20 @@
 
 from distune.worker_runtime.algorithms import (
     Algorithm,
+    AlgorithmError,
     AsyncModelAverage,
     Decentralized,
     GradientAllReduce,
     LowPrecision,
+    ModelAveragingError,
 )
 
 __all__ = [
     "Algorithm",
+    "AlgorithmError",
     "AsyncModelAverage",
     "Decentralized",
     "GradientAllReduce",
     "LowPrecision",
+    "ModelAveragingError",
 ]

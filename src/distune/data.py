@@ -5,6 +5,9 @@ that gives every rank batches of about equal cost when samples differ in cost (s
 lengths), so no rank waits for another's long batch at every step.
 """
 
-from distune.worker_runtime.load_balancing_sampler import LoadBalancingDistributedSampler
+from distune.worker_runtime.load_balancing_sampler import (
+    LoadBalancingDistributedSampler,
+    SamplerError,
+)
 
-__all__ = ["LoadBalancingDistributedSampler"]
+__all__ = ["LoadBalancingDistributedSampler", "SamplerError"]

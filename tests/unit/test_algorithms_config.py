@@ -16,7 +16,7 @@ from distune.worker_runtime.algorithms.low_precision import dequantize, quantize
 
 def test_bad_arguments_are_named() -> None:
     algorithms = distune.algorithms
-    with pytest.raises(ValueError, match="bits must be 8 or 16"):
+    with pytest.raises(algorithms.AlgorithmError, match="bits must be 8 or 16"):
         algorithms.LowPrecision(bits=4)
     with pytest.raises(ValueError, match="dtype must be one of"):
         algorithms.LowPrecision(bits=16, dtype="fp8")
@@ -24,7 +24,7 @@ def test_bad_arguments_are_named() -> None:
         algorithms.LowPrecision(bits=8, dtype="fp16")
     with pytest.raises(ValueError, match="peer_selection must be one of ring, shift_one"):
         algorithms.Decentralized(peer_selection="random")
-    with pytest.raises(ValueError, match="interval must be a positive"):
+    with pytest.raises(algorithms.AlgorithmError, match=r"interval \(steps\) must be in \[1,"):
         algorithms.Decentralized(interval=0)
     with pytest.raises(ValueError, match="interval_seconds"):
         algorithms.AsyncModelAverage(interval_seconds=-1)

@@ -39,6 +39,9 @@ COLUMNS = (
     "windows",
     "gain_vs_default",
     "invalid_windows",
+    "gain_margin",
+    "ended_early",
+    "note",
 )
 #: Default log file names: ``<dir>/distune_autotune_<random>.log``.
 DEFAULT_PREFIX = "distune_autotune_"
@@ -66,6 +69,9 @@ def row(record: SampleRecord) -> list[str]:
         str(record.windows),
         repr(record.gain_vs_default),
         str(record.invalid_windows),
+        "" if record.gain_margin is None else repr(record.gain_margin),
+        str(record.ended_early),
+        record.note,
     ]
 
 

@@ -320,7 +320,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._sync.stop()
         process_group = self.process_group
         self._runtime().set_exchange(
-            lambda buckets: CommHookExchange(process_group, state, hook, buckets)
+            lambda buckets, _: CommHookExchange(process_group, state, hook, buckets)
         )
 
     @contextlib.contextmanager

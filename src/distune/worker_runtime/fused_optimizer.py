@@ -32,6 +32,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from distune.errors import DistuneError
+
+
+class FusedOptimizerError(DistuneError, ValueError):
+    """An optimizer or state dict cannot be fused as asked; the message says why."""
+
 
 @dataclass
 class _Flat:
@@ -83,7 +89,7 @@ def _fuse_params(params: list[torch.Tensor]) -> list[_Flat]:
     by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for param in params:
         if param.layout != torch.strided:
-            raise ValueError(
+            raise FusedOptimizerError(
                 f"fuse_optimizer fuses dense parameters only; found one with layout {param.layout}"
             )
         by_kind.setdefault((param.dtype, param.device), []).append(param)
@@ -228,7 +234,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         optimizer over the same parameter groups)."""
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self._flats):
-            raise ValueError(
+            raise FusedOptimizerError(
                 f"the state dict has {len(saved_groups)} parameter group(s), this optimizer "
                 f"{len(self._flats)}"
             )
@@ -241,7 +247,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         ):
             ids = list(saved_group["params"])
             if len(ids) != len(originals):
-                raise ValueError(
+                raise FusedOptimizerError(
                     f"a saved parameter group has {len(ids)} parameter(s), this optimizer's "
                     f"{len(originals)}"
                 )
@@ -267,7 +273,7 @@ def _split(value: Any, flat: torch.Tensor, start: int, end: int, member: torch.T
 def _join(entries: list[dict[str, Any] | None], flat: _Flat) -> dict[str, Any]:
     present = [e for e in entries if e is not None]
     if len(present) != len(entries):
-        raise ValueError(
+        raise FusedOptimizerError(
             "the state dict has optimizer state for some parameters of a fused group and not "
             "for others: it cannot be fused (load it into the unfused optimizer, step once, "
             "then fuse)"
@@ -283,7 +289,7 @@ def _join(entries: list[dict[str, Any] | None], flat: _Flat) -> dict[str, Any]:
             joined[key] = torch.cat([v.reshape(-1) for v in values])
             continue
         if not all(_same(first, v) for v in values[1:]):
-            raise ValueError(
+            raise FusedOptimizerError(
                 f"optimizer state {key!r} differs between parameters of one fused group "
                 "(fusing needs one value per group, e.g. the same step count)"
             )
@@ -309,7 +315,7 @@ def fuse_optimizer(optimizer: torch.optim.Optimizer) -> FusedOptimizer:
     exceptions. Existing state (a resumed optimizer) is fused too.
     """
     if isinstance(optimizer, FusedOptimizer):
-        raise ValueError("the optimizer is already fused")
+        raise FusedOptimizerError("the optimizer is already fused")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     return FusedOptimizer(optimizer)

@@ -28,6 +28,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from distune.errors import DistuneError
+
+
+class SamplerError(DistuneError, ValueError):
+    """A sampler argument or a sample's cost is not allowed; the message names it."""
+
 
 class LoadBalancingDistributedSampler(Sampler[int]):
     """Drop-in for ``torch.utils.data.DistributedSampler`` that balances cost across ranks.
@@ -65,11 +71,11 @@ class LoadBalancingDistributedSampler(Sampler[int]):
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         if num_replicas < 1:
-            raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
+            raise SamplerError(f"num_replicas must be at least 1, got {num_replicas}")
         if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank must be in [0, {num_replicas - 1}], got {rank}")
+            raise SamplerError(f"rank must be in [0, {num_replicas - 1}], got {rank}")
         if not 0 <= random_level <= 1:
-            raise ValueError(f"random_level must be in [0, 1], got {random_level}")
+            raise SamplerError(f"random_level must be in [0, 1], got {random_level}")
         self.dataset = dataset
         self.num_replicas = num_replicas
         self.rank = rank
@@ -84,7 +90,7 @@ class LoadBalancingDistributedSampler(Sampler[int]):
             if isinstance(cost, torch.Tensor):
                 cost = cost.item()
             if not isinstance(cost, (int, float)) or not math.isfinite(cost):
-                raise ValueError(
+                raise SamplerError(
                     f"complexity_fn must return a finite number; for sample {i} it returned "
                     f"{cost!r}"
                 )

@@ -129,9 +129,11 @@ def _buckets_of(reducer_ref: weakref.ref[Reducer]) -> Callable[[], list[Bucket]]
     return buckets
 
 
-#: Makes an algorithm's gradient exchange, given the reducer's buckets (in launch order);
-#: ``None``: the reducer's own flat or hierarchical allreduce.
-ExchangeFactory = Callable[[Callable[[], Sequence[Bucket]]], GradientExchange | None]
+#: Makes an algorithm's gradient exchange, given the reducer's buckets (in launch order) and
+#: the hierarchical process groups (or ``None``); ``None``: the reducer's own allreduce.
+ExchangeFactory = Callable[
+    [Callable[[], Sequence[Bucket]], HierarchicalProcessGroups | None], GradientExchange | None
+]
 
 #: What runs after each synchronised backward: given the iteration count, the hyperparameters
 #: to switch to before the next forward, or ``None`` to keep the current ones.
@@ -197,7 +199,9 @@ class Reducer:
             else None
         )
         #: An algorithm's exchange of buckets, in place of the flat/hierarchical allreduce.
-        self._exchange = None if exchange is None else exchange(_buckets_of(weakref.ref(self)))
+        self._exchange = (
+            None if exchange is None else exchange(_buckets_of(weakref.ref(self)), process_groups)
+        )
         self._build(hyperparameters)
         self._reset_backward_state()
         handles = [
@@ -257,11 +261,11 @@ class Reducer:
         self._hyperparameters = Hyperparameters(hyperparameters.bucket_size_2p, hierarchical)
 
     def set_exchange(self, exchange: ExchangeFactory) -> None:
-        """Average with ``exchange(buckets)`` from the next backward on (between iterations;
-        ``buckets()`` returns the buckets in launch order)."""
+        """Average with ``exchange(buckets, None)`` from the next backward on (between
+        iterations; ``buckets()`` returns the buckets in launch order)."""
         with self._lock:
             self._check_idle("change the gradient exchange")
-            made = exchange(_buckets_of(weakref.ref(self)))
+            made = exchange(_buckets_of(weakref.ref(self)), None)
             if made is None:
                 raise ValueError("set_exchange needs an exchange, got None")
             self._exchange = self._strategy = made

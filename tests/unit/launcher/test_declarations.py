@@ -67,23 +67,31 @@ def test_service_flags_are_the_flagged_tuning_settings():
 
 
 def test_launcher_flags_reach_the_service_config_unchanged():
-    # Every launcher flag that names a tuning setting, given a value other than the default,
-    # reaches that TuningConfig field through the service's own command line.
-    defaults = TuningConfig()
-    given = {
-        dest: getattr(defaults, declaration.service) + 1
-        for dest, declaration in flags()
-        if declaration.service in TuningConfig.__dataclass_fields__
+    # Every launcher flag that names a tuning setting: its value, through the service's own
+    # command line, becomes that TuningConfig field.
+    argv = [
+        "--autotune_level", "1",
+        "--autotune_max_samples", "9",
+        "--autotune_sampling_confidence_time", "2.5",
+        "--autotune_warmup_time", "4",
+        "--default_bucket_size", "1048576",
+        "--autotune_retune_drift", "0.25",
+        "t.py",
+    ]  # fmt: skip
+    args, options = parse(argv)
+    service_args = list(plan_launch(args, options).service_args)
+    config = _config(_parser().parse_args(service_args))
+    assert (config.max_samples, config.sampling_confidence_time) == (9, 2.5)
+    assert (config.warmup_time, config.default_bucket_size) == (4.0, 2**20)
+    assert config.retune_drift == 0.25
+    tuned = {d.service for _, d in flags() if d.service in TuningConfig.__dataclass_fields__}
+    assert tuned == {
+        "max_samples",
+        "sampling_confidence_time",
+        "warmup_time",
+        "default_bucket_size",
+        "retune_drift",
     }
-    assert {"autotune_max_samples", "autotune_warmup_time"} <= set(given)
-    argv = ["--autotune_level", "1"]
-    for dest, value in given.items():
-        argv += [f"--{dest}", str(value)]
-    args, options = parse([*argv, "t.py"])
-    config = _config(_parser().parse_args(list(plan_launch(args, options).service_args)))
-    for dest, declaration in flags():
-        if dest in given:
-            assert getattr(config, str(declaration.service)) == given[dest], dest
 
 
 def test_a_value_the_service_would_refuse_is_refused_by_the_launcher_naming_the_flag(capsys):

@@ -13,15 +13,21 @@ algorithm uses (:attr:`Algorithm.uses_bucket_size`, :attr:`Algorithm.uses_hierar
 """
 
 from distune.worker_runtime.algorithms.async_model_average import AsyncModelAverage
-from distune.worker_runtime.algorithms.base import Algorithm
+from distune.worker_runtime.algorithms.base import (
+    Algorithm,
+    AlgorithmError,
+    ModelAveragingError,
+)
 from distune.worker_runtime.algorithms.decentralized import Decentralized
 from distune.worker_runtime.algorithms.gradient_allreduce import GradientAllReduce
 from distune.worker_runtime.algorithms.low_precision import LowPrecision
 
 __all__ = [
     "Algorithm",
+    "AlgorithmError",
     "AsyncModelAverage",
     "Decentralized",
     "GradientAllReduce",
     "LowPrecision",
+    "ModelAveragingError",
 ]

@@ -25,7 +25,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distune.worker_runtime.algorithms.base import Algorithm, ModelAverager
+from distune.checks import InvalidValue, number_in
+from distune.worker_runtime.algorithms.base import (
+    Algorithm,
+    AlgorithmError,
+    ModelAverager,
+    ModelAveragingError,
+)
 from distune.worker_runtime.algorithms.flat_params import FlatParams
 
 
@@ -47,14 +53,10 @@ class AsyncModelAverage(Algorithm):
     uses_hierarchical = False
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.interval_seconds, bool)
-            or not isinstance(self.interval_seconds, (int, float))
-            or not self.interval_seconds >= 0
-        ):
-            raise ValueError(
-                f"interval_seconds must be a number of seconds >= 0, got {self.interval_seconds!r}"
-            )
+        try:
+            number_in(self.interval_seconds, 0, 1e9)
+        except InvalidValue as error:
+            raise AlgorithmError(f"AsyncModelAverage interval_seconds {error}") from None
 
     @property
     def averages_gradients(self) -> bool:
@@ -100,7 +102,7 @@ class AsyncAverager(ModelAverager):
     def before_forward(self) -> None:
         """Apply a finished round; start the next when the interval has passed."""
         if self.finished:
-            raise RuntimeError("finish() was called: this model no longer trains")
+            raise ModelAveragingError("finish() was called: this model no longer trains")
         with self._lock:
             self._raise_error()
             done, self._result = self._result, None
@@ -154,7 +156,7 @@ class AsyncAverager(ModelAverager):
 
     def _raise_error(self) -> None:
         if self._error is not None:
-            raise RuntimeError("background model averaging failed") from self._error
+            raise ModelAveragingError("background model averaging failed") from self._error
 
     def _rounds(self) -> None:
         try:

@@ -19,7 +19,19 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from distune.errors import DistuneError
 from distune.worker_runtime.buckets import Bucket
+from distune.worker_runtime.topology import HierarchicalProcessGroups
+
+
+class AlgorithmError(DistuneError, ValueError):
+    """An algorithm was configured with a value it does not allow; the message names the
+    argument and what is allowed."""
+
+
+class ModelAveragingError(DistuneError, RuntimeError):
+    """Model averaging cannot go on: used after ``finish()``, or its background exchange
+    failed (the cause is chained)."""
 
 
 class GradientExchange(Protocol):
@@ -95,11 +107,15 @@ class Algorithm:
     uses_hierarchical: bool = False
 
     def gradient_exchange(
-        self, process_group: dist.ProcessGroup, buckets: Buckets
+        self,
+        process_group: dist.ProcessGroup,
+        buckets: Buckets,
+        hierarchy: HierarchicalProcessGroups | None = None,
     ) -> GradientExchange | None:
-        """The exchange of gradient buckets (``buckets()``: the engine's, in launch order);
-        ``None``: the engine's own allreduce (flat or hierarchical, as tuned). Not called for
-        model-averaging algorithms."""
+        """The exchange of gradient buckets (``buckets()``: the engine's, in launch order;
+        ``hierarchy``: the node and leader process groups, where the topology has several
+        nodes of several ranks); ``None``: the engine's own allreduce (flat or hierarchical,
+        as tuned). Not called for model-averaging algorithms."""
         return None
 
     def model_averager(

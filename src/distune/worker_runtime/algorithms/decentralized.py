@@ -21,7 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distune.worker_runtime.algorithms.base import Algorithm, ModelAverager
+from distune.checks import InvalidValue, integer_in
+from distune.worker_runtime.algorithms.base import Algorithm, AlgorithmError, ModelAverager
 from distune.worker_runtime.algorithms.flat_params import FlatParams
 
 _PEER_SELECTIONS = ("ring", "shift_one")
@@ -50,16 +51,14 @@ class Decentralized(Algorithm):
 
     def __post_init__(self) -> None:
         if self.peer_selection not in _PEER_SELECTIONS:
-            raise ValueError(
+            raise AlgorithmError(
                 f"peer_selection must be one of {', '.join(_PEER_SELECTIONS)}, got "
                 f"{self.peer_selection!r}"
             )
-        if (
-            isinstance(self.interval, bool)
-            or not isinstance(self.interval, int)
-            or (self.interval < 1)
-        ):
-            raise ValueError(f"interval must be a positive number of steps, got {self.interval!r}")
+        try:
+            integer_in(self.interval, 1, 2**31)
+        except InvalidValue as error:
+            raise AlgorithmError(f"Decentralized interval (steps) {error}") from None
 
     @property
     def averages_gradients(self) -> bool:

@@ -33,11 +33,13 @@ import torch.distributed as dist
 
 from distune.worker_runtime.algorithms.base import (
     Algorithm,
+    AlgorithmError,
     BucketOrder,
     Buckets,
     GradientExchange,
 )
 from distune.worker_runtime.buckets import Bucket
+from distune.worker_runtime.topology import HierarchicalProcessGroups
 
 _LEVELS = 255  # 8 bits
 #: Elements sharing one 8-bit scale (min and step: 8 bytes, 0.4 % of the codes). A chunk of a
@@ -56,6 +58,9 @@ class LowPrecision(Algorithm):
             16-bit float cast (half), given by ``dtype``.
         dtype: with ``bits=16``: ``"fp16"`` (default) or ``"bf16"``.
         error_feedback: carry what compression drops into the next step (recommended).
+        hierarchical: on several nodes of several ranks, sum exactly inside each node (to its
+            leader), compress only between the node leaders, and broadcast inside the node
+            (Bagua's default): the slow links carry the compressed bytes once per node.
 
     Trades: the link carries a quarter (or half) of the bytes, for quantization noise in each
     step's average (bounded by one quantization step of each chunk's range) and some compute.
@@ -67,30 +72,42 @@ class LowPrecision(Algorithm):
     bits: int = 8
     dtype: str | None = None
     error_feedback: bool = True
+    hierarchical: bool = True
     uses_bucket_size = True
     uses_hierarchical = False
     _cast: torch.dtype | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         if self.bits not in (8, 16):
-            raise ValueError(f"LowPrecision bits must be 8 or 16, got {self.bits!r}")
+            raise AlgorithmError(f"LowPrecision bits must be 8 or 16, got {self.bits!r}")
         if self.bits == 8 and self.dtype is not None:
-            raise ValueError("LowPrecision(bits=8) quantizes to integers: give no dtype")
+            raise AlgorithmError("LowPrecision(bits=8) quantizes to integers: give no dtype")
         if self.bits == 16:
             name = "fp16" if self.dtype is None else self.dtype
             if name not in _DTYPES:
-                raise ValueError(
+                raise AlgorithmError(
                     f"LowPrecision dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}"
                 )
             object.__setattr__(self, "_cast", _DTYPES[name])
-        if not isinstance(self.error_feedback, bool):
-            raise TypeError(f"error_feedback must be True or False, got {self.error_feedback!r}")
+        for name in ("error_feedback", "hierarchical"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     def gradient_exchange(
-        self, process_group: dist.ProcessGroup, buckets: Buckets
+        self,
+        process_group: dist.ProcessGroup,
+        buckets: Buckets,
+        hierarchy: HierarchicalProcessGroups | None = None,
     ) -> GradientExchange:
-        """The compressed scatter-reduce + allgather exchange."""
-        return LowPrecisionExchange(process_group, buckets, self._cast, self.error_feedback)
+        """The compressed scatter-reduce + allgather exchange (between node leaders when
+        ``hierarchical`` and there is a hierarchy)."""
+        return LowPrecisionExchange(
+            process_group,
+            buckets,
+            self._cast,
+            self.error_feedback,
+            hierarchy if self.hierarchical else None,
+        )
 
 
 def quantize(
@@ -145,11 +162,13 @@ class LowPrecisionExchange:
         buckets: Buckets,
         cast: torch.dtype | None,
         error_feedback: bool,
+        hierarchy: HierarchicalProcessGroups | None = None,
     ) -> None:
         self._order = BucketOrder(buckets)
-        self._group = process_group
-        self._world = dist.get_world_size(process_group)
-        self._rank = dist.get_rank(process_group)
+        self._hierarchy = hierarchy
+        # Compressed among the node leaders under a hierarchy, else among all ranks.
+        self._group = process_group if hierarchy is None else hierarchy.leaders
+        self._world = 0 if self._group is None else dist.get_world_size(self._group)
         self._cast = cast
         self._error_feedback = error_feedback
         self._states: weakref.WeakKeyDictionary[Bucket, _BucketState] = weakref.WeakKeyDictionary()
@@ -190,6 +209,17 @@ class LowPrecisionExchange:
     def exchange(self, flat: torch.Tensor, bucket: Bucket) -> None:
         """The whole exchange of one bucket (``flat`` laid out as ``bucket``), blocking until
         its average is in ``flat``. Error feedback is kept per ``bucket``."""
+        hierarchy = self._hierarchy
+        if hierarchy is None:
+            self._compressed(flat, bucket)
+            return
+        # Exact sum inside the node; compressed between leaders; the result back to the node.
+        dist.reduce(flat, dst=hierarchy.leader, group=hierarchy.intra)
+        if hierarchy.is_leader:
+            self._compressed(flat, bucket)
+        dist.broadcast(flat, src=hierarchy.leader, group=hierarchy.intra)
+
+    def _compressed(self, flat: torch.Tensor, bucket: Bucket) -> None:
         length = bucket.grads.numel()
         grads = flat[:length]
         flags = dist.all_reduce(
