@@ -130,6 +130,8 @@ class Flag:
         assert self.service is not None, "a flag without help must name its tuning setting"
         setting = _TUNING_SETTINGS[self.service]
         default = getattr(TuningConfig(), self.service)
+        if default is None:  # off unless given
+            return setting.help
         shown = f"{default:g}" if isinstance(default, float) else str(default)
         return f"{setting.help} (default {shown})"
 
