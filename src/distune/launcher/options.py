@@ -289,8 +289,7 @@ class AutotuneOptions:
     )
     autotune_trial_timeout: float | None = flag_field(
         positive_seconds,
-        "level 2: a trial with no finished step for S seconds is stopped as timeout "
-        "(default 120)",
+        "level 2: a trial with no finished step for S seconds is stopped as timeout (default 120)",
         "S",
     )
     autotune_max_trials: int | None = flag_field(
