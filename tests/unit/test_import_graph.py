@@ -44,6 +44,7 @@ TORCH_FREE = [
     "distune.checks",
     "distune.space",
     "distune.worker_settings",
+    "distune.trial_settings",
     "distune.service_auth",
     "distune.wording",
     "distune.tuning_service",

@@ -130,6 +130,8 @@ class Flag:
         assert self.service is not None, "a flag without help must name its tuning setting"
         setting = _TUNING_SETTINGS[self.service]
         default = getattr(TuningConfig(), self.service)
+        if default is None:  # off unless given
+            return setting.help
         shown = f"{default:g}" if isinstance(default, float) else str(default)
         return f"{setting.help} (default {shown})"
 
@@ -287,8 +289,7 @@ class AutotuneOptions:
     )
     autotune_trial_timeout: float | None = flag_field(
         positive_seconds,
-        "level 2: a trial with no finished step for S seconds is stopped as timeout "
-        "(default 120)",
+        "level 2: a trial with no finished step for S seconds is stopped as timeout (default 120)",
         "S",
     )
     autotune_max_trials: int | None = flag_field(
