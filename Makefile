@@ -32,8 +32,10 @@ browser:
 		|| echo "could not install chromium: the dashboard's browser test will skip"; \
 	else echo "no chromium and no root apt-get: the dashboard's browser test will skip"; fi
 
+# Fails on any of: ruff's rules (import rules and complexity included), mypy on src/.
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 test: lint browser
 	$(VENV)/bin/pytest

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from benchmarks.faults.job import RESTARTABLE, WorkerSpec
+from benchmarks.faults.job import WorkerSpec
 from benchmarks.faults.scenarios import (
     MOMENTS,
     RunResult,
@@ -47,6 +47,7 @@ from benchmarks.faults.scenarios import (
     stuck_rendezvous_signal,
     worker_kill,
 )
+from tests.support.launcher_process import RESTARTABLE
 
 SCENARIOS = (
     "service-kill",

@@ -48,8 +48,8 @@ from torch import nn
 import distune
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: find benchmarks/
-from benchmarks.local_host import free_port
 from benchmarks.testbed.rate import LinkRate
+from tests.support.local_host import free_port
 
 VARIANTS = ("compute", "torch", "distune")
 

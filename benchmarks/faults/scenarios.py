@@ -23,15 +23,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from benchmarks.faults import checks
-from benchmarks.faults.job import (
-    FAST_TUNING,
-    RESTARTABLE,
-    FaultJob,
-    WorkerSpec,
-    worker_pid,
-    worker_results,
-)
-from benchmarks.local_host import free_port, is_running, port_is_free
+from benchmarks.faults.job import FaultJob, WorkerSpec, worker_pid, worker_results
+from tests.support.launcher_process import FAST_TUNING, RESTARTABLE
+from tests.support.local_host import free_port, is_running, port_is_free
 
 #: A job still running this long after its fault is a hang.
 HANG_SECONDS = 240.0

@@ -41,11 +41,11 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-from benchmarks.local_host import is_running
 from benchmarks.testbed.errors import TestbedError, TestbedInterrupted
 from benchmarks.testbed.iproute import IpRoute
 from benchmarks.testbed.prerequisites import require_prerequisites
 from benchmarks.testbed.rate import ETHERNET_HEADER_BYTES, LinkRate
+from tests.support.local_host import is_running
 
 logger = logging.getLogger(__name__)
 

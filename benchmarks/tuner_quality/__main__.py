@@ -1,8 +1,14 @@
 """Tuner quality on synthetic and measured landscapes; no torch, no processes.
 
+    .venv/bin/python -m benchmarks.tuner_quality --draw held-out --seeds 20 --jobs 2 \
+        --sweep --only "distune,random,grid,bagua,horovod,design whole range" \
+        --plot docs/images/bench_tuner_random_draw.png            # the issue-14 table
+    .venv/bin/python -m benchmarks.tuner_quality --draw training --quick   # while iterating
+    .venv/bin/python -m benchmarks.tuner_quality --draw training --quick --sweep \
+        --only "distune,design whole range,design<=2^6"          # settings, training draw only
     .venv/bin/python -m benchmarks.tuner_quality --jobs 2 --plot docs/images/bench_tuner_quality.png
     .venv/bin/python -m benchmarks.tuner_quality --sweep   # and variants of the settings
-    .venv/bin/python -m benchmarks.tuner_quality --sweep --only distune,small_budget=0  # one
+    .venv/bin/python -m benchmarks.tuner_quality --sweep --only distune,acq=PI  # one variant
     .venv/bin/python -m benchmarks.tuner_quality --seeds 20 --jobs 2 --json out.json
 
 Every tuner runs at every budget of ``--budgets`` (the table shows ``--checkpoints``); the
@@ -24,13 +30,22 @@ from pathlib import Path
 
 from benchmarks.tuner_quality.compare import (
     compare,
+    coverage_table,
     gain_claim_table,
     per_landscape_table,
+    percentile_plot,
+    percentile_table,
     plot,
     summary_table,
 )
-from benchmarks.tuner_quality.landscapes import standard_suite
+from benchmarks.tuner_quality.landscapes import Landscape, standard_suite
 from benchmarks.tuner_quality.measurement import NoiseModel
+from benchmarks.tuner_quality.random_clusters import (
+    HELD_OUT_SEED,
+    TRAINING_SEED,
+    draw,
+    optimum_position,
+)
 from benchmarks.tuner_quality.tuners import (
     BaguaStyle,
     DistuneTuner,
@@ -40,6 +55,11 @@ from benchmarks.tuner_quality.tuners import (
     Tuner,
 )
 from distune.tuning_service.config import OptimizerSettings, TuningConfig
+
+#: The random draws' noise: 4.5% per window, 1% per period, rare stalls.
+DRAW_NOISE = NoiseModel(window_sigma=0.045, period_sigma=0.01, stall_rate=0.01, lucky_rate=0.005)
+#: Budgets of the random-draw table (the issue's).
+DRAW_BUDGETS = "5,8,12,20,40"
 
 
 def _variant(name: str, optimizer: dict | None = None, **config: object) -> DistuneTuner:
@@ -63,9 +83,43 @@ def sweep() -> list[Tuner]:
         _variant("no confirmation", confirm_top=0),
         _variant("confirm_top=3", confirm_top=3),
         _variant("confirm_margin=0.05", confirm_margin=0.05),
-        _variant("small_budget=0", {"small_budget": 0}),  # the whole range at every budget
-        _variant("small_budget=10000", {"small_budget": 10_000}),  # the middle at every budget
+        _variant("design whole range", {"design_max_buckets_2p": None}),
+        _variant("design<=2^12", {"design_max_buckets_2p": 12}),
+        _variant("design<=2^6", {"design_max_buckets_2p": 6}),
+        _variant("not cost-aware", {"cost_aware": False}),
+        _variant("no early end", early_end_windows=0),
     ]
+
+
+def _tuners(args: argparse.Namespace) -> list[Tuner]:
+    """The tuners the command line asks for."""
+    tuners: list[Tuner] = [
+        DistuneTuner(),
+        RandomSearch(),
+        GridSearch(),
+        BaguaStyle(acquisition_points=300 if args.draw else 1000),
+        HorovodStyle(),
+    ]
+    if args.sweep:
+        tuners += sweep()
+    if args.only:
+        wanted = set(args.only.split(","))
+        tuners = [t for t in tuners if t.name in wanted]
+    return tuners
+
+
+def _landscapes(args: argparse.Namespace) -> tuple[list[Landscape], NoiseModel]:
+    """The landscapes the command line asks for, and the noise they are measured with."""
+    if args.draw:
+        seed = TRAINING_SEED if args.draw == "training" else HELD_OUT_SEED
+        landscapes = draw(seed, args.count)
+        noise = DRAW_NOISE
+    else:
+        landscapes = standard_suite()
+        noise = NoiseModel()
+    if args.landscapes:
+        landscapes = [ls for ls in landscapes if args.landscapes in ls.name]
+    return landscapes, noise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,40 +137,86 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated names of the tuners to run (with --sweep, of its variants too)",
     )
     parser.add_argument("--landscapes", help="only landscapes whose name contains this")
+    parser.add_argument(
+        "--draw",
+        choices=("training", "held-out"),
+        help="random clusters (benchmarks/tuner_quality/random_clusters.py) instead of the "
+        "standard suite: the training draw settings are chosen on, or the held-out one",
+    )
+    parser.add_argument(
+        "--count", type=int, default=50, help="landscapes in a random draw (default 50)"
+    )
+    parser.add_argument(
+        "--other-seeds",
+        type=int,
+        help="seeds per landscape for the tuners other than distune (default: --seeds); the "
+        "table's percentiles are then over fewer runs for them",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a quick look: 40 landscapes x 2 seeds, budgets 5,8,20, distune only",
+    )
     parser.add_argument("--json", metavar="PATH", help="write every run's figures as JSON")
     parser.add_argument("--plot", metavar="PNG", type=Path, help="draw the curves (matplotlib)")
     args = parser.parse_args(argv)
+    if args.draw and args.budgets == parser.get_default("budgets"):
+        args.budgets = args.checkpoints = DRAW_BUDGETS
+    if args.quick:
+        args.count, args.seeds = min(args.count, 40), min(args.seeds, 2)
+        args.budgets = args.checkpoints = "5,8,20"
+        args.only = args.only or "distune"
     budgets = sorted({int(k) for k in f"{args.budgets},{args.checkpoints}".split(",")})
     checkpoints = [int(k) for k in args.checkpoints.split(",")]
 
-    tuners: list[Tuner] = [
-        DistuneTuner(),
-        RandomSearch(),
-        GridSearch(),
-        BaguaStyle(),
-        HorovodStyle(),
-    ]
-    if args.sweep:
-        tuners += sweep()
-    if args.only:
-        wanted = set(args.only.split(","))
-        tuners = [t for t in tuners if t.name in wanted]
-    landscapes = standard_suite()
-    if args.landscapes:
-        landscapes = [ls for ls in landscapes if args.landscapes in ls.name]
-    noise = NoiseModel()
+    tuners = _tuners(args)
+    landscapes, noise = _landscapes(args)
     started = time.perf_counter()
-    runs = compare(tuners, landscapes, args.seeds, budgets, noise, args.jobs)
+    mine = [t for t in tuners if t.name == "distune"]
+    others = [t for t in tuners if t.name != "distune"]
+    other_seeds = args.seeds if args.other_seeds is None else args.other_seeds
+    runs = compare(mine, landscapes, args.seeds, budgets, noise, args.jobs) if mine else []
+    if others:
+        runs += compare(others, landscapes, other_seeds, budgets, noise, args.jobs)
     elapsed = time.perf_counter() - started
 
+    what = f"{args.draw} draw of random clusters" if args.draw else "standard suite"
+    seeds = f"{args.seeds} seeds" + (
+        f" (distune; {other_seeds} for the others)" if other_seeds != args.seeds else ""
+    )
     print(
-        f"# Tuner quality: {len(landscapes)} landscapes x {args.seeds} seeds, "
+        f"# Tuner quality: {what}, {len(landscapes)} landscapes x {seeds}, "
         f"budgets {budgets} samples"
     )
     print(
         f"\nnoise: {noise}\nmachine: {platform.node()} ({platform.machine()}), "
         f"python {platform.python_version()}; {elapsed:.0f} s with {args.jobs} job(s)\n"
     )
+    if args.draw:
+        positions = sorted(optimum_position(ls) for ls in landscapes)
+        hierarchical = sum(
+            max(ls.throughput, key=ls.throughput.__getitem__).is_hierarchical_reduce
+            for ls in landscapes
+        )
+        defaults = sorted(ls.default_fraction for ls in landscapes)
+        print(
+            f"best group's bucket size, as a position in the range (0 smallest, 1 largest): "
+            f"min {positions[0]:.2f}, median {positions[len(positions) // 2]:.2f}, "
+            f"max {positions[-1]:.2f}; hierarchical best on {hierarchical} of "
+            f"{len(landscapes)}; default group's fraction of the best: median "
+            f"{defaults[len(defaults) // 2]:.2f}, min {defaults[0]:.3f}\n"
+        )
+        print(percentile_table(runs, checkpoints))
+        coverage = coverage_table(runs, checkpoints)
+        if coverage:
+            print("\nHow often the reported gain's 95% interval holds the true gain:\n")
+            print(coverage)
+        if args.plot:
+            percentile_plot(runs, args.plot, f"{what}: {len(landscapes)} x {args.seeds} seeds")
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as file:
+                json.dump([dataclasses.asdict(run) for run in runs], file)
+        return 0
     print(summary_table(runs, checkpoints))
     claims = gain_claim_table(runs, checkpoints)
     if claims:

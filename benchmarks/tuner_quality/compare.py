@@ -41,10 +41,19 @@ class Run:
     fractions: tuple[float, ...]
     samples_used: tuple[int, ...]
     gain_errors: tuple[float | None, ...]
+    #: Throughput while tuning: iterations done until completion over what the best group
+    #: would have done in the same time.
+    tuning_fractions: tuple[float, ...] = ()
+    #: Whether the claimed gain's confidence interval holds the true gain (None: no claim).
+    gain_covered: tuple[bool | None, ...] = ()
 
     def fraction_at(self, budget: int) -> float:
         """The kept group's fraction of the oracle with ``budget`` samples."""
         return self.fractions[self.budgets.index(budget)]
+
+    def tuning_fraction_at(self, budget: int) -> float:
+        """The throughput while tuning with ``budget`` samples, as a fraction of the best's."""
+        return self.tuning_fractions[self.budgets.index(budget)]
 
     def gain_error_at(self, budget: int) -> float | None:
         """How far the claimed gain is off with ``budget`` samples (see the class)."""
@@ -60,21 +69,39 @@ def _gain_error(landscape: Landscape, trajectory: Trajectory) -> float | None:
     return (1.0 + trajectory.claimed_gain) / true_speedup - 1.0
 
 
+def _gain_covered(landscape: Landscape, trajectory: Trajectory) -> bool | None:
+    """Whether the claimed gain's interval holds the true gain of the kept group."""
+    if trajectory.claimed_gain is None or trajectory.claimed_margin is None:
+        return None
+    default = landscape.space.default
+    true_gain = landscape.throughput[trajectory.choices[-1]] / landscape.throughput[default] - 1
+    return abs(trajectory.claimed_gain - true_gain) <= trajectory.claimed_margin
+
+
+def _tuning_fraction(landscape: Landscape, trajectory: Trajectory, budget: int) -> float:
+    iterations, seconds = trajectory.progress[budget - 1]
+    return iterations / (seconds * landscape.oracle)
+
+
 def _run(task: tuple[Tuner, Landscape, tuple[int, ...], NoiseModel, int]) -> Run:
     tuner, landscape, budgets, noise, seed = task
-    fractions, used, gain_errors = [], [], []
+    fractions, used, gain_errors, tuning, covered = [], [], [], [], []
     if tuner.budget_aware:
         for budget in budgets:
             trajectory = tuner.run(landscape, budget, noise, seed)
             fractions.append(landscape.fraction(trajectory.choices[-1]))
             used.append(trajectory.samples_used)
             gain_errors.append(_gain_error(landscape, trajectory))
+            tuning.append(_tuning_fraction(landscape, trajectory, budget))
+            covered.append(_gain_covered(landscape, trajectory))
     else:  # one run with the largest budget; its choice after k samples is the k-budget one
         trajectory = tuner.run(landscape, max(budgets), noise, seed)
         for budget in budgets:
             fractions.append(landscape.fraction(trajectory.choices[budget - 1]))
             used.append(min(budget, trajectory.samples_used))
             gain_errors.append(None)  # no tuner of this kind reports a gain
+            tuning.append(_tuning_fraction(landscape, trajectory, budget))
+            covered.append(None)
     return Run(
         tuner.name,
         landscape.name,
@@ -83,6 +110,8 @@ def _run(task: tuple[Tuner, Landscape, tuple[int, ...], NoiseModel, int]) -> Run
         tuple(fractions),
         tuple(used),
         tuple(gain_errors),
+        tuple(tuning),
+        tuple(covered),
     )
 
 
@@ -184,6 +213,67 @@ def gain_claim_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
     return "\n".join(lines)
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile of ``values`` as one of them (the lower one between two), so
+    the figure is one that actually occurred."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def percentile_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
+    """A markdown table: per tuner and budget, the final choice's fraction of the best group
+    (1st, 5th percentile and median over landscapes x seeds) and the throughput while tuning
+    (mean, and its 5th percentile)."""
+    tuners = list(dict.fromkeys(run.tuner for run in runs))
+    header = [
+        "tuner",
+        "budget",
+        "final choice: 1st pct",
+        "5th pct",
+        "median",
+        "while tuning: mean",
+        "5th pct",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for tuner in tuners:
+        mine = [run for run in runs if run.tuner == tuner]
+        for k in checkpoints:
+            final = [run.fraction_at(k) for run in mine]
+            tuning = [run.tuning_fraction_at(k) for run in mine]
+            cells = [
+                tuner,
+                str(k),
+                f"{percentile(final, 1):.3f}",
+                f"{percentile(final, 5):.3f}",
+                f"{percentile(final, 50):.3f}",
+                f"{statistics.fmean(tuning):.3f}",
+                f"{percentile(tuning, 5):.3f}",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def coverage_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
+    """A markdown table: per tuner that reports an interval on its gain, how often the interval
+    holds the true gain of the kept group, per budget; empty if none does."""
+    tuners = list(
+        dict.fromkeys(r.tuner for r in runs if any(c is not None for c in r.gain_covered))
+    )
+    if not tuners:
+        return ""
+    header = ["tuner", *(f"budget {k}" for k in checkpoints)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for tuner in tuners:
+        cells = [tuner]
+        for k in checkpoints:
+            index = runs[0].budgets.index(k)
+            flags = [r.gain_covered[index] for r in runs if r.tuner == tuner]
+            flags = [f for f in flags if f is not None]
+            cells.append(f"{sum(flags) / len(flags):.1%} of {len(flags)}" if flags else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def per_landscape_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
     """A markdown table: per landscape and tuner, the worst seed's fraction of the oracle after
     each checkpoint."""
@@ -228,6 +318,48 @@ def plot(runs: Sequence[Run], path: Path, title: str) -> None:
     axes[0].set_ylabel("true throughput / oracle")
     axes[0].set_ylim(0.85, 1.005)
     axes[1].legend(fontsize=8, loc="lower right")
+    figure.suptitle(title, fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def percentile_plot(runs: Sequence[Run], path: Path, title: str) -> None:
+    """Three panels against the budget, one line per tuner: the final choice's 1st percentile
+    and median fraction of the best group, and the mean throughput while tuning."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    tuners = list(dict.fromkeys(run.tuner for run in runs))
+    budgets = sorted(runs[0].budgets)
+    figure, axes = plt.subplots(1, 3, figsize=(11.0, 3.3), dpi=100)
+    panels = (
+        (
+            "final choice: 1st percentile",
+            lambda rs, k: percentile([r.fraction_at(k) for r in rs], 1),
+        ),
+        ("final choice: median", lambda rs, k: percentile([r.fraction_at(k) for r in rs], 50)),
+        (
+            "throughput while tuning: mean",
+            lambda rs, k: statistics.fmean(r.tuning_fraction_at(k) for r in rs),
+        ),
+    )
+    for axis, (label, statistic) in zip(axes, panels, strict=True):
+        for tuner in tuners:
+            mine = [run for run in runs if run.tuner == tuner]
+            style = {"linewidth": 2.2, "color": "black"} if tuner == "distune" else {}
+            values = [statistic(mine, k) for k in budgets]
+            axis.plot(budgets, values, marker=".", label=tuner, **style)
+        axis.set_xscale("log")
+        axis.set_xticks(budgets, [str(b) for b in budgets])
+        axis.minorticks_off()
+        axis.set_xlabel("samples (budget)")
+        axis.set_title(label, fontsize=10)
+        axis.grid(alpha=0.3)
+    axes[0].set_ylabel("fraction of the best group")
+    axes[2].legend(fontsize=8, loc="lower right")
     figure.suptitle(title, fontsize=10)
     figure.tight_layout()
     figure.savefig(path)

@@ -65,6 +65,11 @@ class Trajectory:
     choices: tuple[Hyperparameters, ...]
     samples_used: int
     claimed_gain: float | None = None
+    #: ``(iterations, seconds)`` the job ran from the first sample up to the end of each
+    #: sample (a tuner that stops early repeats its totals at completion).
+    progress: tuple[tuple[int, float], ...] = ()
+    #: The half-width of the claimed gain's confidence interval (distune's), if any.
+    claimed_margin: float | None = None
 
 
 class Tuner(Protocol):
@@ -93,17 +98,26 @@ class DistuneTuner:
         session = TuningSession("model", landscape.facts, config.fixed, config)
         job = SimulatedJob(landscape, noise, seed)
         choices: list[Hyperparameters] = []
+        progress: list[tuple[int, float]] = []
+        start = (0, 0.0)  # the job's counters when warmup ends: tuning's cost starts there
         while session.view.state is not State.COMPLETED:
             group = session.view.current
+            warming = session.view.state is State.WARMUP
             iterations, seconds = job.window(group.hyperparameters)
             _, records = session.report(Report(group.id, job.train_iter, iterations, seconds))
+            if warming:
+                start = (job.train_iter, job.seconds)
             for record in records:
                 if record.phase is not Phase.COMPLETED:
                     choices.append(session.view.best.group.hyperparameters)
+                    progress.append((job.train_iter - start[0], job.seconds - start[1]))
         used = len(choices)
         best = session.view.best
         choices += [best.group.hyperparameters] * (budget - used)
-        return Trajectory(tuple(choices), used, best.gain_vs_default)
+        progress += [progress[-1]] * (budget - used)
+        return Trajectory(
+            tuple(choices), used, best.gain_vs_default, tuple(progress), best.gain_margin
+        )
 
 
 class _PooledScores:
@@ -129,10 +143,12 @@ def _measure_in_order(
     job = SimulatedJob(landscape, noise, seed)
     scores = _PooledScores()
     choices = []
+    progress = []
     for hp in order:
         scores.add(hp, job.measure(hp, config.sampling_confidence_time, config.min_windows))
         choices.append(scores.best())
-    return Trajectory(tuple(choices), len(order))
+        progress.append((job.train_iter, job.seconds))
+    return Trajectory(tuple(choices), len(order), progress=tuple(progress))
 
 
 @dataclass(frozen=True)
@@ -196,6 +212,9 @@ class BaguaStyle:
 
     name: str = "bagua"
     config: TuningConfig = field(default_factory=TuningConfig)
+    #: Random points the acquisition is maximised over: the spaces hold at most a few dozen
+    #: groups, so a few hundred draws cover every one.
+    acquisition_points: int = 1000
     budget_aware: ClassVar[bool] = False
 
     def run(self, landscape: Landscape, budget: int, noise: NoiseModel, seed: int) -> Trajectory:
@@ -213,12 +232,13 @@ class BaguaStyle:
             # them (skopt's default): these spaces hold at most a few dozen groups, so the draws
             # cover every one and the maximum is the same or better, several times faster.
             acq_optimizer="sampling",
-            acq_optimizer_kwargs={"n_points": 1000},
+            acq_optimizer_kwargs={"n_points": self.acquisition_points},
             random_state=seed,
         )
         job = SimulatedJob(landscape, noise, seed)
         best_rate, best = -math.inf, space.default
         choices = []
+        progress = []
         hp = space.default  # the job registers and starts on the default group
         for _ in range(budget):
             rates = job.measure(hp, self.config.sampling_confidence_time, self.config.min_windows)
@@ -226,11 +246,12 @@ class BaguaStyle:
             if top > best_rate:  # the single highest report
                 best_rate, best = top, hp
             choices.append(best)
+            progress.append((job.train_iter, job.seconds))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # duplicate proposals, GP convergence
                 optimizer.tell(_bagua_point(space, hp), -rates[-1])  # the last report window
                 hp = _bagua_group(space, optimizer.ask())
-        return Trajectory(tuple(choices), budget)
+        return Trajectory(tuple(choices), budget, progress=tuple(progress))
 
 
 @dataclass(frozen=True)
@@ -253,6 +274,7 @@ class HorovodStyle:
         rng = np.random.default_rng(seed)
         best_score, best = -math.inf, space.default
         choices = []
+        progress = []
         for index, shape in enumerate(shapes):
             share = budget // len(shapes) + (index < budget % len(shapes))
             told_x: list[float] = []
@@ -270,9 +292,10 @@ class HorovodStyle:
                 if score > best_score:  # the single highest score
                     best_score, best = score, hp
                 choices.append(best)
+                progress.append((job.train_iter, job.seconds))
                 told_x.append((exponent - low) / max(1, high - low))
                 told_y.append(score)
-        return Trajectory(tuple(choices), budget)
+        return Trajectory(tuple(choices), budget, progress=tuple(progress))
 
     def _propose(
         self, candidates: np.ndarray, xs: list[float], ys: list[float], rng: np.random.Generator

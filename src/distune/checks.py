@@ -28,9 +28,10 @@ def integer_in(value: Any, low: int, high: int) -> int:
     # bool is an int subclass, but `True` as a count is a bug, not a value.
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise InvalidValue(f"must be an integer, got {value!r}")
-    if not low <= value <= high:
+    number = int(value)
+    if not low <= number <= high:
         raise InvalidValue(f"must be in [{low}, {high}], got {value}")
-    return int(value)
+    return number
 
 
 def number_in(value: Any, low: float, high: float, *, low_open: bool = False) -> float:
@@ -38,11 +39,12 @@ def number_in(value: Any, low: float, high: float, *, low_open: bool = False) ->
     (low, high] with ``low_open``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidValue(f"must be a number, got {value!r}")
-    above_low = value > low if low_open else value >= low
-    if not (math.isfinite(value) and above_low and value <= high):
+    number = float(value)
+    above_low = number > low if low_open else number >= low
+    if not (math.isfinite(number) and above_low and number <= high):
         bracket = "(" if low_open else "["
         raise InvalidValue(f"must be in {bracket}{low:g}, {high:g}], got {value}")
-    return float(value)
+    return number
 
 
 def positive_seconds(value: Any) -> float:

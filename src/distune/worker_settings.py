@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import overload
 
 from distune.checks import InvalidValue, positive_seconds
 from distune.errors import DistuneError
@@ -33,6 +34,15 @@ VARIABLES = {
     DEFAULT_BUCKET_SIZE_VAR: "bytes of the default group's bucket (default 25 MiB)",
     SYNC_INTERVAL: "seconds between the ranks' sync points while tuning (default 1.0)",
 }
+
+
+def variable_table(*more: Mapping[str, str]) -> str:
+    """The README's table of the ``DISTUNE_*`` variables: :data:`VARIABLES`, then ``more``
+    (level 2's, ``trial_settings.VARIABLES``)."""
+    rows = ["| variable | meaning |", "|---|---|"]
+    for variables in (VARIABLES, *more):
+        rows += [f"| `{name}` | {meaning} |" for name, meaning in variables.items()]
+    return "\n".join(rows) + "\n"
 
 
 class SettingsError(DistuneError, ValueError):
@@ -105,6 +115,10 @@ class WorkerSettings:
         )
 
 
+@overload
+def _parse_int(environ: Mapping[str, str], name: str, default: int) -> int: ...
+@overload
+def _parse_int(environ: Mapping[str, str], name: str, default: None) -> int | None: ...
 def _parse_int(environ: Mapping[str, str], name: str, default: int | None) -> int | None:
     text = environ.get(name, "").strip()
     if not text:

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from benchmarks.faults.job import LauncherProcess, processes_with
+
+from tests.support.launcher_process import LauncherProcess, processes_with
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"

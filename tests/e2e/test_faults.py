@@ -13,9 +13,11 @@ import signal
 from urllib.parse import urlsplit
 
 import pytest
-from benchmarks.faults.job import FAST_TUNING, FaultJob, WorkerSpec, worker_results
+from benchmarks.faults.job import FaultJob, WorkerSpec, worker_results
 from benchmarks.faults.scenarios import service_kill, stuck_rendezvous_signal, worker_kill
-from benchmarks.local_host import port_is_free
+
+from tests.support.launcher_process import FAST_TUNING
+from tests.support.local_host import port_is_free
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,9 @@ from urllib.parse import urlsplit
 
 import pytest
 import requests
-from benchmarks.faults.job import FAST_TUNING, isolated_rendezvous, processes_with
-from benchmarks.local_host import port_is_free
+
+from tests.support.launcher_process import FAST_TUNING, isolated_rendezvous, processes_with
+from tests.support.local_host import port_is_free
 
 from .conftest import SCRIPTS, SMALL_MLP
 

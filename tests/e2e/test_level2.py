@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.e2e.conftest import SCRIPTS
 
 from distune.launcher.options import parse, trial_pins
+from tests.e2e.conftest import SCRIPTS
 
 pytestmark = pytest.mark.slow
 WORKER = str(SCRIPTS / "level2_worker.py")
@@ -34,7 +34,9 @@ def test_tune_then_run_prunes_after_an_oom_in_one_rank_and_trains_with_the_winne
     run = launch([*argv, WORKER, "--oom-rank", "1", "--oom-from-micro", "8"])
     assert run.wait(timeout=300) == 0, run.output
     ran = trials(results)
-    outcomes = [(t["strategy"], t["config"]["train_micro_batch_size_per_gpu"], t["outcome"]) for t in ran]
+    outcomes = [
+        (t["strategy"], t["config"]["train_micro_batch_size_per_gpu"], t["outcome"]) for t in ran
+    ]
     # The profile is the script's own 2 x 4; DDP's largest micro-batch (8) runs out of memory in
     # rank 1 only, which prunes it; 4 fits; the faster of 2 and 4 is measured again.
     assert outcomes[:3] == [("ddp", 2, "ok"), ("ddp", 8, "oom"), ("ddp", 4, "ok")]
@@ -52,9 +54,15 @@ def test_tune_then_run_prunes_after_an_oom_in_one_rank_and_trains_with_the_winne
     args, _ = parse(["--autotune_config", str(results / "best_config.json"), "t.py"])
     assert trial_pins(args).micro_batch == best["train_micro_batch_size_per_gpu"]
     command = (results / "best_command.txt").read_text()
-    assert "--autotune_level 0 --autotune_config" in command and "--autotune_device_memory" not in command
+    assert (
+        "--autotune_level 0 --autotune_config" in command
+        and "--autotune_device_memory" not in command
+    )
     summary = (results / "summary.md").read_text()
-    micro, accumulation = best["train_micro_batch_size_per_gpu"], best["gradient_accumulation_steps"]
+    micro, accumulation = (
+        best["train_micro_batch_size_per_gpu"],
+        best["gradient_accumulation_steps"],
+    )
     assert "| ddp | 4 | 3 |" in summary
     assert f"**Best:** ddp, micro-batch {micro} x {accumulation}" in summary
     # Mode run: the real training uses the chosen configuration.
@@ -64,7 +72,9 @@ def test_tune_then_run_prunes_after_an_oom_in_one_rank_and_trains_with_the_winne
     # Resuming from these results measures nothing again and chooses the same.
     again = tmp_path / "again"
     argv = level2(again, "--autotune_max_trials", "4", "--autotune_resume", str(results))
-    resumed = launch([*argv, "--autotune_mode", "tune", WORKER, "--oom-rank", "1", "--oom-from-micro", "8"])
+    resumed = launch(
+        [*argv, "--autotune_mode", "tune", WORKER, "--oom-rank", "1", "--oom-from-micro", "8"]
+    )
     assert resumed.wait(timeout=120) == 0, resumed.output
     assert resumed.output.count("(resumed)") == 4
     assert not (again / "trials").exists()  # no trial ran
@@ -83,7 +93,13 @@ def test_a_trial_that_raises_is_a_crash_with_its_traceback_tail(launch, tmp_path
 
 def test_a_hanging_trial_is_stopped_by_the_watchdog(launch, tmp_path):
     results = tmp_path / "results"
-    run = launch([*level2(results, "--autotune_trial_timeout", "4", "--autotune_mode", "tune"), WORKER, "--hang"])
+    run = launch(
+        [
+            *level2(results, "--autotune_trial_timeout", "4", "--autotune_mode", "tune"),
+            WORKER,
+            "--hang",
+        ]
+    )
     assert run.wait(timeout=120) == 1, run.output
     (trial,) = trials(results)
     assert trial["outcome"] == "timeout"

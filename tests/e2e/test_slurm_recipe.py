@@ -22,10 +22,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-from benchmarks.faults.job import MARKER, processes_with
-from benchmarks.local_host import port_is_free
 
 from distune.space import Hyperparameters
+from tests.support.launcher_process import MARKER, processes_with
+from tests.support.local_host import port_is_free
 
 from .conftest import REPO
 from .test_two_nodes import free_port_pair

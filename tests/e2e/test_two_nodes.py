@@ -6,8 +6,9 @@ import csv
 import socket
 
 import pytest
-from benchmarks.faults.job import FAST_TUNING
-from benchmarks.local_host import port_is_free
+
+from tests.support.launcher_process import FAST_TUNING
+from tests.support.local_host import port_is_free
 
 from .conftest import SMALL_MLP
 

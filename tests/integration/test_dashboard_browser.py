@@ -11,14 +11,10 @@ time, while "updates as samples arrive" and the token prompt need a live page an
 this test skips and says so.
 """
 
-import json
 import math
 import os
 import shutil
-import signal
 import struct
-import subprocess
-import sys
 
 import pytest
 import requests
@@ -27,6 +23,8 @@ from selenium.webdriver.chrome.service import Service as DriverService
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions as ec
 from selenium.webdriver.support.ui import WebDriverWait
+
+from tests.support.service_process import ServiceProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -103,28 +101,15 @@ class SyntheticJob:
 @pytest.fixture(scope="module")
 def service():
     """The service process, for the module; at the end, its diagnostics hold no token."""
-    env = {**os.environ, "DISTUNE_SERVICE_TOKEN": TOKEN}
-    args = ["--port", "0", "--warmup-time", "1", "--sampling-confidence-time", "1"]
+    args = ["--warmup-time", "1", "--sampling-confidence-time", "1"]
     args += ["--max-samples", str(MAX_SAMPLES), "--seed", "0"]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "distune.tuning_service", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        text=True,
-    )
+    started = ServiceProcess(*args, token=TOKEN)
     try:
-        process.url = json.loads(process.stdout.readline())["url"]
-        yield process
+        yield started
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            stderr = process.communicate(timeout=15)[1]
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.communicate()
-            raise
-    assert process.returncode == 0, stderr
+        code = started.stop()
+    stderr = started.output[1]
+    assert code == 0, stderr
     assert TOKEN not in stderr
 
 

@@ -164,6 +164,37 @@ def subgroups(out: Path) -> dict:
     return {}
 
 
+def uneven(out: Path) -> dict:
+    """Tuning while rank 1 has 40 batches more than rank 0, under ``model.join()``."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = distune.DistributedDataParallel(
+        nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 8))
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    with model.join():
+        for _ in range(int(os.environ["TEST_STEPS"]) + 40 * dist.get_rank()):
+            optimizer.zero_grad()
+            model(torch.randn(16, 32, generator=generator)).pow(2).mean().backward()
+            optimizer.step()
+            time.sleep(0.004)
+    return {
+        "iterations": model._reducer.iterations,
+        "hyperparameters": model.hyperparameters.to_dict(),
+        "params": [p.detach().sum().item() for p in model.parameters()],
+    }
+
+
+def test_uneven_inputs_under_join_keep_tuning_in_lockstep(service, tmp_path):
+    url, _ = service
+    results = run_job(__file__, "uneven", tmp_path / "job", env=tuning_env(url, 80))
+    # The joined rank 0 shadowed rank 1's last 40 iterations, sync points included.
+    assert results[0] == results[1]
+    assert results[0]["iterations"] == 120
+
+
 def test_each_data_parallel_subgroup_has_its_own_tuning_session(service, tmp_path):
     url, _ = service
     run_job(__file__, "subgroups", tmp_path / "job", env=tuning_env(url, 200))
@@ -187,4 +218,4 @@ def test_a_name_the_service_refuses_is_shown_and_training_goes_on(service, tmp_p
 
 
 if __name__ == "__main__":
-    worker_main({"train": train, "subgroups": subgroups})
+    worker_main({"train": train, "subgroups": subgroups, "uneven": uneven})

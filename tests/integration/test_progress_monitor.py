@@ -11,10 +11,10 @@ import requests
 from distune.launcher.progress import ProgressMonitor
 from distune.launcher.service_process import TuningServiceProcess
 from distune.wording import describe_group
+from tests.support.service_process import TOKEN
 
 pytestmark = pytest.mark.slow
 
-TOKEN = "monitor-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 FACTS = {"world_size": 2, "nnodes": 1, "local_world_size": 2, "gradient_bytes": 2**20}
 

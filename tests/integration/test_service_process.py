@@ -6,15 +6,14 @@ import math
 import os
 import random
 import signal
-import subprocess
-import sys
 
 import pytest
 import requests
 
+from tests.support.service_process import TOKEN
+
 pytestmark = pytest.mark.slow
 
-TOKEN = "integration-token"
 PEAK = {"bucket_size_2p": 24, "is_hierarchical_reduce": False}
 
 
@@ -23,56 +22,6 @@ def true_throughput(hp):
     x = hp["bucket_size_2p"] - (1 if hp["is_hierarchical_reduce"] else 0)
     shape = 50.0 + 150.0 * math.exp(-(((x - 24) / 3.5) ** 2))
     return shape * (0.94 if hp["is_hierarchical_reduce"] else 1.0)
-
-
-class Service:
-    """``python -m distune.tuning_service`` in a child process; stopped by the fixture."""
-
-    def __init__(self, *args, token=TOKEN):
-        env = {**os.environ, "DISTUNE_SERVICE_TOKEN": token}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "distune.tuning_service", "--port", "0", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=env,
-            text=True,
-        )
-        line = self.process.stdout.readline()  # bounded by the test's timeout
-        self.announcement = json.loads(line)
-        self.url = self.announcement["url"]
-        self.session = requests.Session()
-        self.session.headers["Authorization"] = f"Bearer {token}"
-
-    def get(self, path):
-        return self.session.get(self.url + path, timeout=10)
-
-    def post(self, path, body):
-        return self.session.post(self.url + path, json=body, timeout=10)
-
-    def stop(self, sig=signal.SIGTERM):
-        """Send ``sig``; the exit code. The rest of stdout and stderr land in ``self.output``."""
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-        try:
-            self.output = self.process.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.output = self.process.communicate()
-        return self.process.returncode
-
-
-@pytest.fixture
-def start_service():
-    services = []
-
-    def start(*args, **kwargs):
-        services.append(Service(*args, **kwargs))
-        return services[-1]
-
-    yield start
-    for service in services:
-        if service.process.returncode is None:
-            service.stop()
 
 
 def synthetic_client(service, name, seed, noise=0.03):

@@ -21,9 +21,8 @@ from distune.tuning_service.config import TuningConfig
 from distune.tuning_service.messages import Registration, Report
 from distune.tuning_service.service import TuningService
 from distune.tuning_service.session import StaleGroupError
-
-TOKEN = "status-test-token"
-FACTS = {"world_size": 2, "nnodes": 1, "local_world_size": 2, "gradient_bytes": 2**24}
+from tests.support.models import SINGLE_NODE_REGISTRATION as FACTS
+from tests.support.service_process import TOKEN
 
 
 def drive(service, name, windows, rate):

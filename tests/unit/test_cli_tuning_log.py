@@ -15,8 +15,8 @@ from distune.tuning_service.messages import Registration, Report
 from distune.tuning_service.service import TuningService
 from distune.tuning_service.session import StaleGroupError
 from distune.tuning_service.tuning_log import COLUMNS, TuningLog
+from tests.support.models import SINGLE_NODE_REGISTRATION as FACTS
 
-FACTS = {"world_size": 2, "nnodes": 1, "local_world_size": 2, "gradient_bytes": 2**24}
 #: Iterations per second of each model's synthetic job, by bucket_size_2p: best at 2^20.
 MODELS = {
     "gpt": lambda p: 60.0 + 40.0 * math.exp(-(((p - 20) / 2.5) ** 2)),
@@ -159,9 +159,13 @@ def test_a_run_still_tuning_shows_its_best_sample_so_far(recorded, tmp_path, cap
     [
         (None, "no tuning log at"),
         ("", "is empty, not a tuning log"),
+        (  # Bagua's four columns read as a Bagua log; with a fifth, it is neither
+            "bucket_size_2p,is_hierarchical_reduce,score,train_iter,model\n22,False,1.0,5,m\n",
+            "it lacks the columns sample, phase, seconds, gain_vs_default",
+        ),
         (
-            "bucket_size_2p,is_hierarchical_reduce,score,train_iter\n22,False,1.0,5\n",
-            "it lacks the columns model, sample, phase, seconds, gain_vs_default",
+            "bucket_size_2p,is_hierarchical_reduce,score,train_iter\n",
+            "holds no sample yet",
         ),
         (",".join(COLUMNS) + "\n", "holds no sample yet"),
     ],
@@ -193,3 +197,43 @@ def test_plot_refuses_to_overwrite_its_log(recorded, tmp_path, monkeypatch, caps
     shutil.copy(path, log)
     assert main(["plot", str(log)]) == 1
     assert "would overwrite the log itself" in capsys.readouterr().err
+
+
+BAGUA_LOG = """bucket_size_2p,is_hierarchical_reduce,score,train_iter
+23,False,100.0,120
+20,True,80.5,260
+25,False,131.25,400
+25,False,129.0,540
+"""
+
+
+def test_a_bagua_autotune_log_reads_as_one_model_named_after_the_file(tmp_path):
+    path = tmp_path / "bagua_autotune.log"
+    path.write_text(BAGUA_LOG)
+    (run,) = read_log(path)
+    assert run.name == "bagua_autotune" and run.source == "bagua" and run.choice is None
+    assert list(run.samples["phase"]) == ["default", "bagua", "bagua", "bagua"]
+    assert list(run.samples["is_hierarchical_reduce"]) == [False, True, False, False]
+    assert run.default_score == 100.0
+    assert run.best["score"] == 131.25 and run.best["bucket_size_2p"] == 25
+    assert run.samples["gain_vs_default"].iloc[2] == pytest.approx(0.3125)
+    assert run.measured_seconds is None
+
+
+def test_distune_log_and_plot_show_a_bagua_log(tmp_path, capsys):
+    path = tmp_path / "bagua.log"
+    path.write_text(BAGUA_LOG.replace("False", "0").replace("True", "1"))  # 0/1 spelling
+    assert main(["log", str(path), "--samples"]) == 0
+    out = capsys.readouterr().out
+    assert "Bagua log (no choice recorded)" in out
+    assert "+31.2%" in out and "2^25" in out
+    image = tmp_path / "bagua.png"
+    assert main(["plot", str(path), "-o", str(image)]) == 0
+    assert matplotlib.image.imread(image).shape[0] > 100
+
+
+def test_a_bagua_log_with_a_bad_flag_names_the_line(tmp_path, capsys):
+    path = tmp_path / "bagua.log"
+    path.write_text(BAGUA_LOG.replace("20,True", "20,maybe"))
+    assert main(["log", str(path)]) != 0
+    assert "line 3: bad is_hierarchical_reduce value 'maybe'" in capsys.readouterr().err

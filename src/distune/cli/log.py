@@ -44,7 +44,7 @@ def summary(runs: list[ModelRun]) -> pd.DataFrame:
         rows.append(
             {
                 "model": run.name,
-                "state": "completed" if run.choice is not None else "not completed",
+                "state": _state(run),
                 "samples": len(run.samples),
                 "best group": describe_hyperparameters(
                     best["bucket_size_2p"], best["is_hierarchical_reduce"]
@@ -52,13 +52,21 @@ def summary(runs: list[ModelRun]) -> pd.DataFrame:
                 "score": format_rate(best["score"]),
                 "gain vs default": format_gain(best["gain_vs_default"]),
                 "default score": format_rate(run.default_score),
-                "measured": f"{run.measured_seconds:.1f} s",
+                "measured": (
+                    "-" if run.measured_seconds is None else f"{run.measured_seconds:.1f} s"
+                ),
                 "chosen at iteration": (
                     "-" if run.choice is None else str(int(run.choice["train_iter"]))
                 ),
             }
         )
     return pd.DataFrame(rows)
+
+
+def _state(run: ModelRun) -> str:
+    if run.source == "bagua":
+        return "Bagua log (no choice recorded)"
+    return "completed" if run.choice is not None else "not completed"
 
 
 def samples(run: ModelRun) -> pd.DataFrame:
@@ -72,7 +80,7 @@ def samples(run: ModelRun) -> pd.DataFrame:
         score=frame["score"].map(format_rate),
         gain=frame["gain_vs_default"].map(format_gain),
         best=run.running_best.map(format_rate),
-        seconds=frame["seconds"].map(lambda s: f"{s:.2f}"),
+        seconds=frame["seconds"].map(lambda s: "-" if s != s else f"{s:.2f}"),  # NaN: Bagua
     )[["sample", "phase", "group", "score", "gain", "best", "train_iter", "seconds"]].rename(
         columns={"best": "running best", "train_iter": "at iteration"}
     )

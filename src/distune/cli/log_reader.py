@@ -5,6 +5,11 @@ file): Bagua's four columns first, then ``model,sample,group_id,phase,seconds,it
 windows,gain_vs_default``; one row per sampled group and, once a model's tuning completes, one
 row of phase ``completed`` holding the chosen group. Several models may share one log. Nothing
 in it depends on the machine that wrote it, so a copied log reads the same anywhere.
+
+A Bagua autotune log (its four columns only, ``bucket_size_2p,is_hierarchical_reduce,score,
+train_iter``) reads too, so users moving from Bagua can set its runs beside distune's: it
+becomes one model named after the file, one sample per row, the first row (the group the job
+started on) standing for the default group; Bagua records neither seconds nor a final choice.
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ REQUIRED_COLUMNS = (
 #: The phase of a model's final row, and of its first sample (the default group).
 COMPLETED = "completed"
 DEFAULT = "default"
+#: Bagua's autotune log columns, in its order (distune's log starts with the same four).
+BAGUA_COLUMNS = ("bucket_size_2p", "is_hierarchical_reduce", "score", "train_iter")
+#: The phase given to a Bagua log's rows after the first.
+BAGUA_SAMPLE = "bagua"
 
 
 class LogError(CommandError):
@@ -50,6 +59,8 @@ class ModelRun:
     samples: pd.DataFrame
     #: The ``completed`` row (the chosen group), or None while tuning goes on.
     choice: pd.Series | None
+    #: Which tuner wrote the log: "distune" or "bagua".
+    source: str = "distune"
 
     @property
     def default_score(self) -> float:
@@ -73,8 +84,11 @@ class ModelRun:
         return self.samples.loc[self.samples["score"].idxmax()]
 
     @property
-    def measured_seconds(self) -> float:
-        """Seconds of training measured across the samples (the job's own clock)."""
+    def measured_seconds(self) -> float | None:
+        """Seconds of training measured across the samples (the job's own clock); None for a
+        Bagua log, which does not record them."""
+        if self.source == "bagua":
+            return None
         return float(self.samples["seconds"].sum())
 
 
@@ -92,14 +106,17 @@ def read_log(path: str | os.PathLike[str]) -> list[ModelRun]:
     except (OSError, UnicodeDecodeError, pd.errors.ParserError) as error:
         reason = getattr(error, "strerror", None) or " ".join(str(error).split())
         raise LogError(f"cannot read the tuning log {path}: {reason}") from None
+    if tuple(frame.columns) == BAGUA_COLUMNS:
+        return [_bagua_run(_parsed(frame, path, BAGUA_COLUMNS), path)]
     missing = [c for c in REQUIRED_COLUMNS if c not in frame.columns]
     if missing:
         columns = "columns" if len(missing) > 1 else "column"
         raise LogError(
             f"{path} is not a distune tuning log: it lacks the {columns} {', '.join(missing)} "
-            f"(a distune log's header starts {','.join(REQUIRED_COLUMNS[:6])})"
+            f"(a distune log's header starts {','.join(REQUIRED_COLUMNS[:6])}; a Bagua log's "
+            f"is {','.join(BAGUA_COLUMNS)})"
         )
-    frame = _parsed(frame, path)
+    frame = _parsed(frame, path, REQUIRED_COLUMNS)
     if frame.empty:
         raise LogError(f"{path} holds no sample yet")
     runs = []
@@ -114,17 +131,42 @@ def read_log(path: str | os.PathLike[str]) -> list[ModelRun]:
     return runs
 
 
-def _parsed(frame: pd.DataFrame, path: Path) -> pd.DataFrame:
-    """``frame`` with typed columns; LogError naming the first bad line otherwise."""
+def _bagua_run(frame: pd.DataFrame, path: Path) -> ModelRun:
+    """A Bagua log as one model (see the module's docstring)."""
+    if frame.empty:
+        raise LogError(f"{path} holds no sample yet")
+    first = float(frame["score"].iloc[0])
+    if first <= 0:
+        raise LogError(f"{path} line 2: the first score must be positive to compare with")
+    samples = frame.assign(
+        model=path.stem,
+        sample=range(1, len(frame) + 1),
+        phase=[DEFAULT] + [BAGUA_SAMPLE] * (len(frame) - 1),
+        seconds=float("nan"),
+        gain_vs_default=frame["score"] / first - 1.0,
+    )
+    return ModelRun(path.stem, samples.reset_index(drop=True), None, source="bagua")
+
+
+#: Spellings of the boolean column: distune writes Python's, Bagua's tools may write 0/1.
+_FLAGS = {"True": True, "False": False, "true": True, "false": False, "1": True, "0": False}
+
+
+def _parsed(frame: pd.DataFrame, path: Path, columns: tuple[str, ...]) -> pd.DataFrame:
+    """``frame`` with typed ``columns``; LogError naming the first bad line otherwise."""
     frame = frame.copy()
     for column in NUMERIC_COLUMNS:
+        if column not in columns:
+            continue
         values = pd.to_numeric(frame[column], errors="coerce")
         _check(frame, column, values.abs() < float("inf"), path)  # False for NaN too
         frame[column] = values
-    flags = frame["is_hierarchical_reduce"].map({"True": True, "False": False})
+    flags = frame["is_hierarchical_reduce"].str.strip().map(_FLAGS)
     _check(frame, "is_hierarchical_reduce", flags.notna(), path)
     frame["is_hierarchical_reduce"] = flags.astype(bool)
     for column in ("bucket_size_2p", "train_iter", "sample"):
+        if column not in columns:
+            continue
         _check(frame, column, frame[column] == frame[column].round(), path)
         frame[column] = frame[column].astype("int64")
     return frame

@@ -118,6 +118,8 @@ def _draw_model(axes: Axes, run: ModelRun) -> None:
             label=f"chosen: {chosen}",
         )
         title += f", chose {chosen}: {format_rate(choice['score'])}, {gain} vs default"
+    elif run.source == "bagua":
+        title += " (Bagua log: first row as the default, no choice recorded)"
     else:
         title += ", tuning not completed"
     axes.set_title(title, fontsize=10)

@@ -24,7 +24,7 @@ from typing import Any
 
 from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
 
-from distune.launcher.options import AutotuneOptions, OptionError
+from distune.launcher.options import AutotuneOptions, OptionError, flags
 from distune.launcher.trial_report import TrialReport
 from distune.launcher.trial_runner import TrialRunner
 from distune.trial_settings import TrialSettings
@@ -96,6 +96,7 @@ def command_without_tuning(argv: list[str], args: argparse.Namespace, best: Path
     ``--autotune_level 0 --autotune_config best``, then the script and its arguments."""
     script_at = len(argv) - len(args.training_script_args) - 1
     launcher, rest = argv[:script_at], argv[script_at:]
+    switches = {f"__{dest}" for dest, flag in flags() if flag.kind != "value"}
     kept: list[str] = []
     skip = False
     for arg in launcher:
@@ -104,16 +105,14 @@ def command_without_tuning(argv: list[str], args: argparse.Namespace, best: Path
             skip = False
         elif name.startswith("__autotune") or name in ("__is_output_autotune_log",):
             # Flags with a value take the next argument unless written --flag=value.
-            skip = "=" not in arg and name not in _SWITCHES
+            skip = "=" not in arg and name not in switches
         else:
             kept.append(arg)
     return ["distune-run", *kept, "--autotune_level", "0", "--autotune_config", str(best), *rest]
 
 
-_SWITCHES = {"__autotune_allow_batch_change", "__autotune_quiet", "__is_output_autotune_log"}
-
-
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port nothing listens on now, on loopback (a trial's rendezvous)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
@@ -132,7 +131,8 @@ def _results_dir(options: AutotuneOptions) -> Path:
     return path
 
 
-def _facts(measurements: dict[str, Any], config: TrialConfig) -> ModelFacts:
+def model_facts(measurements: dict[str, Any], config: TrialConfig) -> ModelFacts:
+    """The memory model's facts from a profile trial's measurements."""
     return ModelFacts(
         parameter_bytes=int(measurements["parameter_bytes"]),
         gradient_bytes=int(measurements["gradient_bytes"]),
@@ -215,7 +215,7 @@ class Level2:
             settings.micro_batch,
             settings.accumulation,
         )
-        run = self.runner.run(index, settings, script_args, _free_port())
+        run = self.runner.run(index, settings, script_args, free_port())
         measured = run.measurements or {}
         if config is None:
             reported = measured.get("config")
@@ -278,7 +278,7 @@ class Level2:
         assert profile.facts is not None
         search = TrialSearch(
             space,
-            MemoryModel(_facts(profile.facts, profile.config)),
+            MemoryModel(model_facts(profile.facts, profile.config)),
             self.options.autotune_device_memory,
             self.max_trials,
             self.metric,

@@ -69,6 +69,17 @@ def _listen_address(value: Any) -> str:
     return text
 
 
+def _fraction(value: Any) -> float:
+    """A fraction in (0, 1], from a number or its text."""
+    number = math.nan
+    if not isinstance(value, bool):  # YAML's `yes` is a bool, which Python counts as a number
+        with contextlib.suppress(ValueError, TypeError):
+            number = float(str(value).strip())
+    if not (0.0 < number <= 1.0):
+        raise InvalidValue(f"must be a fraction in (0, 1], e.g. 0.2, got {value!r}")
+    return number
+
+
 def _bool(value: Any) -> bool:
     if not isinstance(value, bool):
         raise InvalidValue(f"must be true or false, got {value!r}")
@@ -213,6 +224,9 @@ class AutotuneOptions:
     autotune_warmup_time: float | None = flag_field(
         positive_seconds, metavar="W", service="warmup_time"
     )
+    autotune_retune_drift: float | None = flag_field(
+        _fraction, metavar="FRACTION", service="retune_drift"
+    )
     is_output_autotune_log: bool = flag_field(
         _bool,
         "write the CSV log to /tmp/distune_autotune_<random>.log",
@@ -267,8 +281,8 @@ class AutotuneOptions:
     )
     autotune_device_memory: int | None = flag_field(
         _memory_size,
-        "cap each rank's tensor memory (e.g. 512MiB, 2GiB): over it a step raises "
-        "torch.OutOfMemoryError, on CPU too",
+        "cap each rank's tensor memory (e.g. 512MiB, 2GiB) in scripts that use "
+        "distune.prepare: over it a step raises torch.OutOfMemoryError, on CPU too",
         "BYTES",
     )
     autotune_trial_timeout: float | None = flag_field(

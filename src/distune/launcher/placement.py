@@ -108,9 +108,15 @@ def _bind_address(options: AutotuneOptions) -> str | None:
     return bind
 
 
+def _given_port(given: SplitResult) -> int:
+    # --autotune_service_addr's check (options._url) refuses a URL without a port.
+    assert given.port is not None, given
+    return given.port
+
+
 def _single_node_placement(options: AutotuneOptions, given: SplitResult | None) -> ServicePlacement:
     bind = _bind_address(options)
-    port = given.port if given is not None else (options.autotune_service_port or 0)
+    port = _given_port(given) if given is not None else (options.autotune_service_port or 0)
     if given is None:
         # The workers connect from this machine: to the bound address (loopback for a wildcard).
         host = LOOPBACK if bind is None else bind
@@ -125,7 +131,7 @@ def _single_node_placement(options: AutotuneOptions, given: SplitResult | None) 
                 "one of this machine's"
             )
         listens_elsewhere = bind is not None and not is_wildcard_address(bind)
-        if listens_elsewhere and not _addresses(bind) & _addresses(host):
+        if listens_elsewhere and not _addresses(str(bind)) & _addresses(host):
             raise OptionError(
                 f"{flag}: the service listens on --autotune_service_bind {bind} only, so the "
                 "workers cannot reach it there"
@@ -181,7 +187,7 @@ def place_service(args: argparse.Namespace, options: AutotuneOptions) -> Service
         source = "--rdzv_endpoint" if args.rdzv_endpoint else "--master_addr"
         host = _reachable_host(rdzv_host, f"{source} {rdzv_host} (the service's default address)")
     if given is not None:
-        port = given.port
+        port = _given_port(given)
     elif options.autotune_service_port is not None:
         port = options.autotune_service_port
     else:

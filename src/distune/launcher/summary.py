@@ -50,6 +50,8 @@ def format_summary(
             f"  default group: {format_rate(model.get('default_score'), 'not measured')}; "
             f"gain {format_gain(best.get('gain_vs_default'), 'unknown')}"
         )
+        if model.get("verdict"):
+            lines.append(f"  {model['verdict']}")
     if status is not None and not lines:
         lines.append("distune: no model registered with the tuning service")
     if log_file:

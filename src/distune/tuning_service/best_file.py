@@ -5,7 +5,8 @@ runs the next job with the tuned settings fixed::
 
     {"bucket_size": 4194304, "hierarchical_reduce": false,
      "autotune_result": {"models": {"model0": {"group": G, "score": 812.5,
-         "default_score": 700.1, "gain_vs_default": 0.16, "samples": 14}}}}
+         "default_score": 700.1, "gain_vs_default": 0.16, "gain_margin": 0.03,
+         "verdict": "+16.0% vs the default (95% interval +13.0% to +19.0%)", "samples": 14}}}}
 
 The knob keys are present only when the service tunes exactly one model: with several, no
 single job-wide setting fits them all. The file is replaced atomically (a new file with mode
@@ -51,6 +52,8 @@ def best_document(views: Sequence[SessionView]) -> dict[str, Any]:
             "score": view.best.score,
             "default_score": view.default_score,
             "gain_vs_default": view.best.gain_vs_default,
+            "gain_margin": view.best.gain_margin,
+            "verdict": view.verdict,
             "samples": view.samples,
         }
     document: dict[str, Any] = {}

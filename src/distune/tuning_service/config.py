@@ -71,6 +71,23 @@ def value_type(cls: type, name: str) -> type:
     return typing.cast(type, hint)
 
 
+def setting_table(cls: type) -> str:
+    """A markdown table of the declared settings of ``cls`` (field, default, meaning), as
+    docs/tuning_service.md shows them; a test keeps the page equal to it."""
+    rows = ["| field | default | meaning |", "|---|---|---|"]
+    defaults = cls()
+    for item, declaration in declared(cls):
+        default = getattr(defaults, item.name)
+        if isinstance(default, float):
+            shown = f"{default:g}"
+        elif hasattr(default, "__dataclass_fields__"):
+            shown = f"{type(default).__name__}()"
+        else:
+            shown = str(default)
+        rows.append(f"| `{item.name}` | {shown} | {declaration.help} |")
+    return "\n".join(rows) + "\n"
+
+
 def _validate(instance: Any) -> None:
     """Run every declared check of a settings dataclass; ConfigError names the field."""
     for item, declaration in declared(type(instance)):
@@ -153,14 +170,18 @@ class OptimizerSettings:
     stop_min_share: float = setting(
         0.5, "share of max_samples measured before an early stop", _number(0.0, 1.0)
     )
-    small_budget: int = setting(
-        10, "a max_samples at most this is a small budget", _integer(0, 10_000)
+    design_max_buckets_2p: int | None = setting(
+        8,
+        "the greedy maximin design keeps to bucket sizes that split the gradients into at most "
+        "2**this buckets (a prior from the gradient bytes alone; none: the whole range); the "
+        "Bayesian phase searches the whole range",
+        _optional(_integer(0, 48)),
     )
-    small_budget_share: float = setting(
-        0.6,
-        "with a small budget, the maximin design keeps to this middle share of the bucket "
-        "sizes (too few samples to visit the ends and come back)",
-        _number(0.0, 1.0, low_open=True),
+    cost_aware: bool = setting(
+        True,
+        "the Bayesian phase divides the acquisition by the predicted cost of measuring a "
+        "group, so regions measured to be hopeless are left alone",
+        _instance(bool),
     )
 
     def __post_init__(self) -> None:
@@ -249,6 +270,38 @@ class TuningConfig:
         _instance(OptimizerSettings),
         factory=OptimizerSettings,
     )
+    early_end_windows: int = setting(
+        2,
+        "an exploring sample whose first this many scored windows are all clearly slower "
+        "than the best group ends there, scored with them (0: never)",
+        _integer(0, 1_000),
+    )
+    early_end_z: float = setting(
+        3.0,
+        "clearly slower: this many standard deviations of a window's noise below the best "
+        "group's score",
+        _number(0.0, 100.0),
+    )
+    gain_confidence: float = setting(
+        0.95,
+        "confidence level of the interval on the gain over the default group; a group whose "
+        "interval does not lie above zero is not chosen over the default",
+        _number(0.5, 0.9999),
+    )
+    retune_drift: float | None = setting(
+        None,
+        "after completion, reopen tuning with a small budget when the throughput stays more "
+        "than this fraction below the chosen group's score for retune_drift_time seconds",
+        _optional(_number(0.0, 1.0, low_open=True)),
+        metavar="FRACTION",
+        flag=True,
+    )
+    retune_drift_time: float = setting(
+        60.0,
+        "seconds the throughput must stay below the drift threshold before tuning reopens",
+        _number(0.0, 86_400.0, low_open=True),
+    )
+    retune_samples: int = setting(6, "samples of a reopened session", _integer(1, 10_000))
 
     def __post_init__(self) -> None:
         _validate(self)

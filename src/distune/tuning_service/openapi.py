@@ -161,6 +161,23 @@ _SCHEMAS: dict[str, Any] = {
             "group": _ref("Group"),
             "score": {"type": "number", "description": "robust throughput over its windows"},
             "gain_vs_default": {"type": "number", "description": "score / default score - 1"},
+            "gain_margin": {
+                "type": ["number", "null"],
+                "description": "half-width of the gain's 95% confidence interval, from the "
+                "windows of the group and of the default group",
+            },
+            "gain_interval": {
+                "oneOf": [
+                    {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 2},
+                    {"type": "null"},
+                ],
+                "description": "the gain's 95% confidence interval, [low, high]",
+            },
+            "measurably_faster": {
+                "type": "boolean",
+                "description": "the interval lies above zero; a completed session chooses a "
+                "group other than the default only then",
+            },
         },
     },
     "ModelStatus": {
@@ -188,6 +205,18 @@ _SCHEMAS: dict[str, Any] = {
                 "type": "integer",
                 "minimum": 0,
                 "description": "stalled report windows set aside, not scored",
+            },
+            "verdict": {
+                "type": ["string", "null"],
+                "description": "once completed, what the choice means: the gain and its "
+                "interval, or 'no group measurably faster than the default: differences "
+                "within ±X%'",
+            },
+            "retunes": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "times tuning reopened because the throughput drifted below "
+                "the chosen group's score (--autotune_retune_drift)",
             },
         },
     },

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,15 +50,13 @@ class Suggestion:
 
 class GroupOptimizer:
     """Proposes groups of ``space`` from the scores it is told; one per model, not thread-safe
-    (the session's lock guards it). ``budget`` is the model's ``max_samples``: a small one
-    narrows the greedy maximin design (see :class:`OptimizerSettings`)."""
+    (the session's lock guards it)."""
 
     def __init__(
         self,
         space: SearchSpace,
         settings: OptimizerSettings,
         seed: int | None,
-        budget: int | None = None,
     ) -> None:
         if not space.tuned:
             raise ValueError("the search space tunes no knob: there is nothing to optimize")
@@ -73,8 +72,7 @@ class GroupOptimizer:
         self._scores: dict[Hyperparameters, float] = {}
         self._model: GaussianProcessRegressor | None = None
         self._design = self._initial_design()
-        small = budget is not None and budget <= settings.small_budget
-        self._maximin_sizes = _middle(space, settings.small_budget_share if small else 1.0)
+        self._design_sizes = _design_bounds(space, settings.design_max_buckets_2p)
 
     @property
     def scores(self) -> dict[Hyperparameters, float]:
@@ -89,9 +87,15 @@ class GroupOptimizer:
         self._scores[hp] = score
         self._model = None  # refitted when next asked
 
-    def suggest(self) -> Suggestion | None:
+    def suggest(self, cost: Callable[[np.ndarray], np.ndarray] | None = None) -> Suggestion | None:
         """The unmeasured group to measure next, or None once every group has been measured.
-        Needs at least one score."""
+        Needs at least one score.
+
+        ``cost`` maps each candidate's predicted slowdown against the incumbent (predicted
+        step time over the incumbent's, >= 0) to the relative cost of measuring it; the
+        Bayesian phase then proposes the group of largest acquisition per unit of cost, so a
+        region the measurements show to be hopeless (where even a sample ended early takes
+        long) is left alone."""
         if not self._scores:
             raise RuntimeError("tell the optimizer a score before asking it for a group")
         unmeasured = [i for i, hp in enumerate(self._groups) if hp not in self._scores]
@@ -112,6 +116,9 @@ class GroupOptimizer:
             values = gaussian_pi(candidates, model, y_opt=y_opt, xi=settings.xi)
         else:
             values = -gaussian_lcb(candidates, model, kappa=settings.kappa)
+        if cost is not None:
+            slowdown = np.exp(model.predict(candidates) - y_opt)
+            values = values / cost(slowdown)
         best = unmeasured[int(np.argmax(values))]
         improvement = float(np.max(gaussian_ei(candidates, model, y_opt=y_opt, xi=0.0)))
         return Suggestion(self._groups[best], improvement)
@@ -175,7 +182,7 @@ class GroupOptimizer:
                 return hp
         # Greedy maximin: the unmeasured group farthest from every measured one. Sampled designs
         # fall back to it once their points are used up or repeat measured groups.
-        low, high = self._maximin_sizes
+        low, high = self._design_sizes
         inside = [i for i in unmeasured if low <= self._groups[i].bucket_size_2p <= high]
         unmeasured = inside or unmeasured
         measured = self._transformed[[i for i, hp in enumerate(self._groups) if hp in self._scores]]
@@ -187,11 +194,14 @@ class GroupOptimizer:
         return self._groups[unmeasured[int(self._rng.choice(farthest))]]
 
 
-def _middle(space: SearchSpace, share: float) -> tuple[float, float]:
-    """The middle ``share`` of the space's bucket sizes (log2), as bounds."""
+def _design_bounds(space: SearchSpace, max_buckets_2p: int | None) -> tuple[float, float]:
+    """The bucket sizes (log2) the initial design draws from: the whole range, or with
+    ``max_buckets_2p`` those that split the gradients into at most 2**max_buckets_2p buckets
+    (the space's top is the first power of two at or above the gradient bytes)."""
     low, high = space.min_bucket_size_2p, space.max_bucket_size_2p
-    margin = (1.0 - share) / 2.0 * (high - low)
-    return low + margin, high - margin
+    if max_buckets_2p is None:
+        return low, high
+    return max(low, high - max_buckets_2p), high
 
 
 def _dimension(space: SearchSpace, name: str) -> Integer | Categorical:

@@ -20,11 +20,12 @@ import logging
 import os
 import signal
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType
 
-from waitress.server import create_server
+from flask import Flask
+from waitress.server import BaseWSGIServer, create_server
 
 from distune.errors import ConfigError
 from distune.space import FixedKnobs, HyperparameterError
@@ -111,18 +112,19 @@ def _stop(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the service until SIGTERM or SIGINT; returns the exit code (2: bad arguments)."""
-    parser = _parser()
-    args = parser.parse_args(argv)
+def _configure_logging(level: str) -> None:
     logging.basicConfig(
-        stream=sys.stderr,
-        level=args.log_level.upper(),
-        format="%(name)s %(levelname)s: %(message)s",
+        stream=sys.stderr, level=level.upper(), format="%(name)s %(levelname)s: %(message)s"
     )
     # waitress warns of every queued request under load ("Task queue depth is N"): at 64
     # models that is a line per request on the launcher's stderr, and nothing to act on.
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)
+
+
+def _service(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, decisions: Executor
+) -> TuningService:
+    """The service the arguments ask for, its log and best-file checked; exit 2 otherwise."""
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     if not 1 <= args.threads <= 256:
@@ -140,10 +142,13 @@ def main(argv: list[str] | None = None) -> int:
             log = TuningLog.create(path=args.log_file, directory=args.log_dir)
     except (BestFileError, LogFileError) as error:
         parser.error(str(error))
-    token = os.environ.get(SERVICE_TOKEN) or None
-    # One worker chooses next groups (Gaussian-process fits) off the request path.
-    decisions = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distune-decisions")
-    app = create_app(TuningService(config, log, best_path, decisions), token=token)
+    return TuningService(config, log, best_path, decisions)
+
+
+def _listen(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, app: Flask
+) -> BaseWSGIServer | None:
+    """A server bound to one address, or None (said on stderr) when the port is taken."""
     try:
         server = create_server(
             app,
@@ -158,26 +163,46 @@ def main(argv: list[str] | None = None) -> int:
             f"distune.tuning_service: cannot listen on {args.host}:{args.port}: {error}",
             file=sys.stderr,
         )
-        return 1
-    if not hasattr(server, "effective_port"):
+        return None
+    if not isinstance(server, BaseWSGIServer):
         # A name resolving to several addresses gets one socket (and, with port 0, one port)
         # each; a launcher could reach only one of them.
         server.close()
         parser.error(f"--host must name a single address, got {args.host!r}; give an IP address")
+    return server
+
+
+def _announcement(server: BaseWSGIServer, log: TuningLog | None) -> str:
     host, port = str(server.effective_host), int(server.effective_port)
-    url_host = f"[{host}]" if ":" in str(host) else host
-    announcement = {
-        "event": "listening",
-        "url": f"http://{url_host}:{port}",
-        "host": host,
-        "port": port,
-        "log_file": None if log is None else str(log.path),
-    }
+    url_host = f"[{host}]" if ":" in host else host
+    return json.dumps(
+        {
+            "event": "listening",
+            "url": f"http://{url_host}:{port}",
+            "host": host,
+            "port": port,
+            "log_file": None if log is None else str(log.path),
+        }
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the service until SIGTERM or SIGINT; returns the exit code (2: bad arguments)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _configure_logging(args.log_level)
+    # One worker chooses next groups (Gaussian-process fits) off the request path.
+    decisions = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distune-decisions")
+    service = _service(parser, args, decisions)
+    token = os.environ.get(SERVICE_TOKEN) or None
+    server = _listen(parser, args, create_app(service, token=token))
+    if server is None:
+        return 1
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    print(json.dumps(announcement), flush=True)
-    if log is not None:
-        logger.info("tuning log: %s", log.path)
+    print(_announcement(server, service.log), flush=True)
+    if service.log is not None:
+        logger.info("tuning log: %s", service.log.path)
     if token is None:
         logger.warning("no %s in the environment: requests are not authenticated", SERVICE_TOKEN)
     try:
@@ -186,6 +211,6 @@ def main(argv: list[str] | None = None) -> int:
         server.close()
         # A choice being made finishes (its log row is written); queued ones are dropped.
         decisions.shutdown(wait=True, cancel_futures=True)
-        if log is not None:
-            log.close()
+        if service.log is not None:
+            service.log.close()
     return 0

@@ -165,6 +165,9 @@ class TuningService:
                 record.score,
                 100 * record.gain_vs_default,
             )
+        for record in records:
+            if record.note:
+                logger.info("model %s: %s", record.model, record.note)
         if self.log is not None:
             try:
                 self.log.append(records)

@@ -1,45 +1,14 @@
 """One model's tuning session: the state machine that turns report windows into groups.
 
-States: ``warmup`` (the first ``warmup_time`` reported seconds are ignored) -> ``sampling``
-(each group is measured for at least ``sampling_confidence_time`` reported seconds and
-``min_windows`` windows, stalled windows not counted, then scored) -> ``completed`` (the best
-confirmed group, measured in two samples or more, by its robust score is handed out for good;
-the best of all only while no group is confirmed). The default group is handed out first and
-is the first group sampled.
+``warmup`` -> ``sampling`` -> ``completed``, decided from the reports and their ``seconds``
+only, never a clock. docs/tuning_service.md ("The session") states the rules once: what a
+sample is, stalled windows, how the next group is chosen, confirmation and completion.
 
-Everything the session decides follows from what it is told: the reports and their
-``seconds``, never a clock. It is not thread-safe; the service holds a lock per session. After
-every change it publishes an immutable :class:`SessionView`, which readers (``/status``,
-``/hyperparameters``) take without waiting for that lock.
-
-When a sample finishes, choosing the next group may fit the Gaussian process (tens of
-milliseconds). ``report(..., decide=False)`` leaves that choice pending, so the report that
-finished the sample is answered at once; the service then runs :meth:`TuningSession.choose_next`
-in a background worker (without the session's lock: while a choice is pending, reports touch
-nothing it reads) and :meth:`TuningSession.apply` under the lock. Windows reported meanwhile
-belong to a finished sample and are not scored, so the choice depends on the reports alone,
-never on how long it took: ``report(...)`` (``decide=True``) makes the same choices inline.
-
-How the next group is chosen (:meth:`TuningSession._next_sample`), in order:
-
-1. nothing left to tune, or ``max_samples`` taken: complete;
-2. the best group and its runners-up within ``confirm_margin`` (``confirm_top`` in all) are
-   *contenders*; one measured only once is re-measured ("confirm") when the search has
-   converged, or when the budget left is only enough for the contenders (and the last
-   sample never explores: what it found could not be confirmed). A confirmation that knocks
-   the leader down makes the next best a contender, confirmed in turn while budget remains;
-   when it runs out, a group measured once never wins over a confirmed one. Before completing
-   on a group other than the default, the default is measured a second time if budget remains,
-   so the gain over it compares two pooled scores (and a default that was only unlucky the
-   first time can still win);
-3. otherwise the optimizer proposes an unmeasured group ("initial" while the space-filling
-   design runs, "bayes" after). When every group has been measured, or (after
-   ``stop_min_groups`` groups, and ``stop_min_share`` of ``max_samples`` in groups) no
-   unmeasured group is expected to beat the best by ``stop_improvement``, the search has
-   converged: go to 2, then complete.
-
-A re-measured group's windows are pooled with its earlier ones, and the optimizer is told the
-pooled score, so a second sample refines the estimate rather than competing with the first.
+A session is not thread-safe: the service holds a lock per session, and readers take the
+immutable :class:`SessionView` published after every change. ``report(..., decide=False)``
+leaves the next group's choice (a Gaussian-process fit) pending for the service's worker
+(:meth:`TuningSession.choose_next`, then :meth:`TuningSession.apply` under the lock); windows
+reported meanwhile are not scored, so the choices equal those ``decide=True`` makes inline.
 """
 
 from __future__ import annotations
@@ -49,7 +18,8 @@ import logging
 import math
 import statistics
 import zlib
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -137,6 +107,12 @@ class SampleRecord:
     windows: int
     gain_vs_default: float
     invalid_windows: int = 0
+    #: Half-width of the 95% interval of ``gain_vs_default`` (None: not enough windows).
+    gain_margin: float | None = None
+    #: The sample ended early: its first windows were clearly slower than the best group's.
+    ended_early: bool = False
+    #: On the final row: why the choice is what it is, for people (e.g. no measurable gain).
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -148,6 +124,16 @@ class Best:
     group: Group
     score: float
     gain_vs_default: float
+    #: Half-width of the confidence interval (``gain_confidence``) of ``gain_vs_default``,
+    #: from the windows of the group and of the default group (None: too few windows).
+    gain_margin: float | None = None
+    #: The interval itself, ``(low, high)``; None with ``gain_margin``.
+    gain_interval: tuple[float, float] | None = None
+
+    @property
+    def measurably_faster(self) -> bool:
+        """Whether the gain's interval lies above zero."""
+        return self.gain_interval is not None and self.gain_interval[0] > 0
 
     def to_dict(self) -> dict[str, Any]:
         """The ``best`` object of ``/status``."""
@@ -155,6 +141,9 @@ class Best:
             "group": self.group.to_dict(),
             "score": self.score,
             "gain_vs_default": self.gain_vs_default,
+            "gain_margin": self.gain_margin,
+            "gain_interval": None if self.gain_interval is None else list(self.gain_interval),
+            "measurably_faster": self.measurably_faster,
         }
 
 
@@ -172,6 +161,11 @@ class SessionView:
     records: tuple[SampleRecord, ...]
     #: Stalled windows set aside so far, over every sample.
     invalid_windows: int = 0
+    #: Once completed: what the choice means for people ("no group measurably faster than the
+    #: default: differences within ±X%", or the gain and its interval).
+    verdict: str | None = None
+    #: Times the session reopened because the throughput drifted below the choice's score.
+    retunes: int = 0
 
     @property
     def reply(self) -> Reply:
@@ -188,6 +182,8 @@ class SessionView:
             "best": None if self.best is None else self.best.to_dict(),
             "default_score": self.default_score,
             "invalid_windows": self.invalid_windows,
+            "verdict": self.verdict,
+            "retunes": self.retunes,
         }
 
 
@@ -231,6 +227,9 @@ class _Measurements(_Windows):
     """Every scored window of one group, across its samples."""
 
     samples: int = 0
+    #: Each sample's log score and window count: how far samples of one group disagree
+    #: beyond their windows' noise (the job's conditions drift between samples).
+    sample_means: list[tuple[float, int]] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -239,6 +238,15 @@ class _Sample(_Windows):
 
     group: Group
     phase: Phase
+    ended_early: bool = False
+
+
+#: A window's noise (standard deviation of its log rate) assumed before any group has two.
+_PRIOR_WINDOW_SIGMA = 0.05
+#: The least window noise assumed, however quiet the measurements look.
+_MIN_WINDOW_SIGMA = 0.005
+#: The median absolute deviation of normal noise times this is its standard deviation.
+_MAD_TO_SIGMA = 1.4826
 
 
 class TuningSession:
@@ -256,9 +264,7 @@ class TuningSession:
         self.config = config
         self.space = SearchSpace.for_model(facts, fixed, config.default_bucket_size)
         self._optimizer = (
-            GroupOptimizer(
-                self.space, config.optimizer, _model_seed(config.seed, name), config.max_samples
-            )
+            GroupOptimizer(self.space, config.optimizer, _model_seed(config.seed, name))
             if self.space.tuned
             else None
         )
@@ -277,6 +283,13 @@ class TuningSession:
         self._invalid_windows = 0
         # train_iter of the report that finished the sample whose successor is being chosen.
         self._pending: int | None = None
+        self._verdict: str | None = None
+        # Samples before the current round (a drift reopens the session for a new round).
+        self._round_start = 0
+        self._round_budget = config.max_samples
+        self._retunes = 0
+        self._drift_seconds = 0.0
+        self._after_default: list[Hyperparameters] = []
         self.stale_reports = 0
         self.view = self._make_view()
 
@@ -303,18 +316,48 @@ class TuningSession:
         if report.group_id != self._group.id:
             self.stale_reports += 1
             raise StaleGroupError(report.group_id, self.view.reply)
-        if self._state is State.COMPLETED or self._pending is not None:
-            return self.view.reply, []  # nothing left to measure, or the sample is over
+        if self._state is State.COMPLETED:
+            self._watch_drift(report)
+            return self.view.reply, []
+        if self._pending is not None:
+            return self.view.reply, []  # the sample is over
         if self._state is State.WARMUP:
-            self._discard_next = False  # warmup ignores windows anyway
-            self._warmup_seconds += report.seconds
-            if self._warmup_seconds >= self.config.warmup_time:
-                self._state = State.SAMPLING
-                self.view = self._make_view()
+            self._account_warmup(report)
             return self.view.reply, []
         if self._discard_next:
             self._discard_next = False
             return self.view.reply, []
+        self._check_unit(report)
+        sample = self._sample
+        count = report.iterations if report.samples is None else report.samples
+        sample.windows.append(Window(count, report.iterations, report.seconds))
+        if len(sample.windows) > self.config.max_windows:
+            self._set_stalls_aside()  # before merging, which would blur them into their neighbours
+            sample.windows = bounded(sample.windows, self.config.max_windows)
+        if self._clearly_worse():
+            sample.ended_early = True
+        else:
+            if not self._sample_complete():
+                return self.view.reply, []
+            # Stalls are judged once the sample looks complete, when the most evidence is in;
+            # the windows they leave must then still make a complete sample.
+            self._set_stalls_aside()
+            if not self._sample_complete():
+                return self.view.reply, []
+        records = self._finish_sample(report.train_iter)
+        if decide:
+            records += self.apply(self.choose_next())
+        return self.view.reply, records
+
+    def _account_warmup(self, report: Report) -> None:
+        self._discard_next = False  # warmup ignores windows anyway
+        self._warmup_seconds += report.seconds
+        if self._warmup_seconds >= self.config.warmup_time:
+            self._state = State.SAMPLING
+            self.view = self._make_view()
+
+    def _check_unit(self, report: Report) -> None:
+        """A model is scored in samples or in iterations per second, the same in every report."""
         counts_samples = report.samples is not None
         if self._counts_samples is None:
             self._counts_samples = counts_samples
@@ -325,23 +368,6 @@ class TuningSession:
                 f"model {self.name!r} is scored in {unit} per second: "
                 "give samples in every report or in none",
             )
-        sample = self._sample
-        count = report.iterations if report.samples is None else report.samples
-        sample.windows.append(Window(count, report.iterations, report.seconds))
-        if len(sample.windows) > self.config.max_windows:
-            self._set_stalls_aside()  # before merging, which would blur them into their neighbours
-            sample.windows = bounded(sample.windows, self.config.max_windows)
-        if not self._sample_complete():
-            return self.view.reply, []
-        # Stalls are judged once the sample looks complete, when the most evidence is in; the
-        # windows they leave must then still make a complete sample.
-        self._set_stalls_aside()
-        if not self._sample_complete():
-            return self.view.reply, []
-        records = self._finish_sample(report.train_iter)
-        if decide:
-            records += self.apply(self.choose_next())
-        return self.view.reply, records
 
     def choose_next(self) -> tuple[Hyperparameters, Phase] | None:
         """The group to sample after the finished one and why, or None to complete; may fit
@@ -369,6 +395,78 @@ class TuningSession:
             self._discard_next = True
         self.view = self._make_view()
         return records
+
+    def _clearly_worse(self) -> bool:
+        """Whether the sample so far is hopeless: an exploring sample with its first
+        ``early_end_windows`` windows, whose *fastest* window is ``early_end_z`` standard
+        deviations (of the difference between a window and the best group's mean log rate)
+        below the best group's score. The fastest window, not the mean: a stall only slows a
+        window, so a group is never ended early for one stalled window, and all its windows
+        must be slow."""
+        sample, config = self._sample, self.config
+        if (
+            config.early_end_windows == 0
+            or sample.phase not in (Phase.INITIAL, Phase.BAYES)
+            or self._best is None
+            or sample.reports < config.early_end_windows
+        ):
+            return False
+        best = self._measurements[self._best.group.hyperparameters]
+        fastest = max(math.log(w.rate) for w in sample.windows)
+        sigma = self._window_sigma() * math.sqrt(1.0 + 1.0 / len(best.windows))
+        return fastest < math.log(best.score) - config.early_end_z * sigma
+
+    def _window_sigma(self) -> float:
+        """The standard deviation of a window's log rate about its group's mean, pooled over
+        every measured group (a prior guess until one has two windows). Robust: the median
+        absolute deviation, each deviation scaled to the window's own variance, so a stall in
+        a short sample does not make every difference look like noise."""
+        deviations: list[float] = []
+        for measured in self._measurements.values():
+            logs = [math.log(w.rate) for w in measured.windows]
+            if len(logs) >= 2:
+                mean = statistics.fmean(logs)
+                scale = math.sqrt(len(logs) / (len(logs) - 1))
+                deviations += [abs(x - mean) * scale for x in logs]
+        if not deviations:
+            return _PRIOR_WINDOW_SIGMA
+        return max(_MIN_WINDOW_SIGMA, _MAD_TO_SIGMA * statistics.median(deviations))
+
+    def _sample_sigma(self, window_sigma: float) -> float:
+        """The standard deviation of a sample's mean log rate beyond its windows' noise:
+        from groups measured in several samples, the spread of their sample means less what
+        the window noise explains (0 until a group has two samples)."""
+        excess, freedom = 0.0, 0
+        for measured in self._measurements.values():
+            means = measured.sample_means
+            if len(means) >= 2:
+                centre = statistics.fmean(m for m, _ in means)
+                for mean, count in means:
+                    excess += (mean - centre) ** 2 - window_sigma**2 / count
+                freedom += len(means) - 1
+        return math.sqrt(max(0.0, excess / freedom)) if freedom else 0.0
+
+    def _gain_interval(
+        self, windows: list[Window], score: float, samples: int = 1
+    ) -> tuple[float, tuple[float, float]] | None:
+        """The gain over the default group of a group scored ``score`` from ``windows`` (of
+        ``samples`` samples), and its ``gain_confidence`` interval: the difference of the two
+        log scores, with the pooled window noise over each side's window count and the
+        samples' own spread over each side's sample count (None before the default has a
+        score to compare with)."""
+        default = self._measurements.get(self.space.default)
+        if default is None or not windows:
+            return None
+        delta = math.log(score) - math.log(default.score)
+        if windows is default.windows:
+            return 0.0, (0.0, 0.0)
+        z = statistics.NormalDist().inv_cdf((1.0 + self.config.gain_confidence) / 2.0)
+        window_sigma = self._window_sigma()
+        sample_sigma = self._sample_sigma(window_sigma)
+        variance = window_sigma**2 * (1.0 / len(windows) + 1.0 / len(default.windows))
+        variance += sample_sigma**2 * (1.0 / samples + 1.0 / max(1, default.samples))
+        half = z * math.sqrt(variance)
+        return math.expm1(delta), (math.expm1(delta - half), math.expm1(delta + half))
 
     def _sample_complete(self) -> bool:
         sample = self._sample
@@ -408,6 +506,10 @@ class TuningSession:
         measured.windows = bounded(measured.windows + sample.windows, self.config.max_windows)
         measured.invalid += sample.invalid
         measured.samples += 1
+        if sample.windows:
+            # The sample's own robust score: a stall in one window moves it no more than the
+            # score the group is judged by.
+            measured.sample_means.append((math.log(score), len(sample.windows)))
         if self._optimizer is not None and not self._converged:
             # The optimizer sees each group's pooled score: a re-measurement refines it.
             try:
@@ -415,6 +517,7 @@ class TuningSession:
             except Exception:
                 self._stop_searching()
         default_score = self._measurements[self.space.default].score
+        interval = self._gain_interval(sample.windows, score)
         records = [
             SampleRecord(
                 model=self.name,
@@ -428,6 +531,8 @@ class TuningSession:
                 windows=sample.reports,
                 gain_vs_default=score / default_score - 1.0,
                 invalid_windows=sample.invalid,
+                gain_margin=None if interval is None else _half_width(interval[1]),
+                ended_early=sample.ended_early,
             )
         ]
         self._records += records
@@ -447,7 +552,15 @@ class TuningSession:
         candidates = confirmed or self._measurements
         hp, measured = max(candidates.items(), key=lambda item: item[1].score)
         group = self._latest_group(hp)
-        return Best(group, measured.score, measured.score / default_score - 1.0)
+        interval = self._gain_interval(measured.windows, measured.score, measured.samples)
+        assert interval is not None  # the default group is measured first
+        return Best(
+            group,
+            measured.score,
+            measured.score / default_score - 1.0,
+            _half_width(interval[1]),
+            interval[1],
+        )
 
     def _latest_group(self, hp: Hyperparameters) -> Group:
         if self._group.hyperparameters == hp:
@@ -456,11 +569,30 @@ class TuningSession:
 
     def _complete(self, train_iter: int) -> SampleRecord:
         assert self._best is not None
-        hp = self._best.group.hyperparameters
+        best, default = self._best, self.space.default
+        if best.group.hyperparameters != default and not best.measurably_faster:
+            # The gain is within the noise: keep the default, and say how close they are.
+            low, high = best.gain_interval or (0.0, 0.0)
+            within = max(abs(low), abs(high))
+            self._verdict = (
+                f"no group measurably faster than the default: differences within ±{within:.1%}"
+            )
+            measured = self._measurements[default]
+            best = Best(self._latest_group(default), measured.score, 0.0, within, (-within, within))
+        elif best.group.hyperparameters == default:
+            self._verdict = "the default group is the fastest measured"
+        else:
+            low, high = best.gain_interval  # type: ignore[misc]
+            self._verdict = (
+                f"{best.gain_vs_default:+.1%} vs the default "
+                f"({self.config.gain_confidence:.0%} interval {low:+.1%} to {high:+.1%})"
+            )
+        hp = best.group.hyperparameters
         if self._group.hyperparameters != hp:
             self._group = Group(self._group.id + 1, hp)
-        self._best = Best(self._group, self._best.score, self._best.gain_vs_default)
+        self._best = replace(best, group=self._group)
         self._state = State.COMPLETED
+        self._drift_seconds = 0.0
         measured = self._measurements[hp]
         return SampleRecord(
             model=self.name,
@@ -474,6 +606,8 @@ class TuningSession:
             windows=measured.reports,
             gain_vs_default=self._best.gain_vs_default,
             invalid_windows=measured.invalid,
+            gain_margin=self._best.gain_margin,
+            note=self._verdict,
         )
 
     def _contenders_to_confirm(self) -> list[Hyperparameters]:
@@ -487,7 +621,10 @@ class TuningSession:
         """The next group to sample and why, or None to complete (see the module docstring)."""
         if self._optimizer is None:
             return None  # nothing to tune: the default group's score is all there is to know
-        remaining = self.config.max_samples - len(self._records)
+        remaining = self._round_budget - (len(self._records) - self._round_start)
+        if self._after_default and remaining > 1:
+            # A reopened session looks at its earlier choice right after the default.
+            return self._after_default.pop(), Phase.INITIAL
         to_confirm = self._contenders_to_confirm()
         # With confirmation on, the last sample never explores: what it found would win
         # unconfirmed. Contenders are confirmed best first, so the winner is confirmed first.
@@ -498,7 +635,7 @@ class TuningSession:
         if self._converged or not may_explore:
             return self._default_to_confirm(remaining)
         try:
-            suggestion = self._optimizer.suggest()
+            suggestion = self._optimizer.suggest(self._sample_cost())
         except Exception:
             self._stop_searching()
             return self._next_sample()
@@ -525,14 +662,35 @@ class TuningSession:
         user overstates the true one (docs/tuning_service.md has the figures)."""
         default = self.space.default
         assert self._best is not None
-        if (
-            self.config.confirm_top
-            and remaining > 0
-            and self._best.group.hyperparameters != default
-            and self._measurements[default].samples < 2
-        ):
+        best = self._best.group.hyperparameters
+        if not self.config.confirm_top or remaining <= 0 or best == default:
+            return None
+        if self._measurements[default].samples < 2:
             return default, Phase.CONFIRM
+        if not self._best.measurably_faster:
+            # Too close to call: while budget remains, measure whichever of the two has fewer
+            # windows, narrowing the interval, rather than complete on a gain within the noise.
+            return min((best, default), key=lambda hp: len(self._measurements[hp].windows)), (
+                Phase.CONFIRM
+            )
         return None
+
+    def _sample_cost(self) -> Callable[[np.ndarray], np.ndarray] | None:
+        """The cost of measuring a group that runs ``slowdown`` times slower than the best
+        one, relative to a full sample: at least a full sample's time, and at least the
+        iterations of a sample ended early (the switch's window and ``early_end_windows``) at
+        that group's speed (None: the optimizer's cost-aware setting is off)."""
+        if not self.config.optimizer.cost_aware or self._best is None:
+            return None
+        best = self._measurements[self._best.group.hyperparameters]
+        step = best.seconds / max(1, best.iterations)
+        iterations = 1 + max(1, self.config.early_end_windows)
+        floor = self.config.sampling_confidence_time
+
+        def cost(slowdown: np.ndarray) -> np.ndarray:
+            return np.maximum(1.0, iterations * step * slowdown / floor)
+
+        return cost
 
     @property
     def _stop_min_groups(self) -> int:
@@ -541,7 +699,7 @@ class TuningSession:
         the GP has no reason to look for it, and a long budget is what lets the search find
         it (docs/tuning_service.md has the figures)."""
         settings = self.config.optimizer
-        share = math.ceil(settings.stop_min_share * self.config.max_samples)
+        share = math.ceil(settings.stop_min_share * self._round_budget)
         return max(settings.stop_min_groups, share)
 
     def _stop_searching(self) -> None:
@@ -552,19 +710,75 @@ class TuningSession:
         )
         self._converged = True
 
+    def _watch_drift(self, report: Report) -> None:
+        """After completion: reopen when the throughput has stayed more than ``retune_drift``
+        below the choice's score for ``retune_drift_time`` reported seconds in a row."""
+        drift = self.config.retune_drift
+        if drift is None or self._best is None or self._optimizer is None:
+            return
+        count = report.iterations if report.samples is None else report.samples
+        if count / report.seconds < (1.0 - drift) * self._best.score:
+            self._drift_seconds += report.seconds
+        else:
+            self._drift_seconds = 0.0
+        if self._drift_seconds >= self.config.retune_drift_time:
+            self._reopen()
+
+    def _reopen(self) -> None:
+        """A new round of ``retune_samples`` samples, measured afresh (what was measured before
+        the drift no longer holds): the default group first, then the earlier choice, then the
+        search."""
+        assert self._best is not None
+        chosen = self._best.group.hyperparameters
+        logger.warning(
+            "model %s: throughput has stayed more than %.0f%% below the chosen group's score "
+            "(%.4g/s) for %.0f s; tuning again with %d samples",
+            self.name,
+            100 * (self.config.retune_drift or 0.0),
+            self._best.score,
+            self._drift_seconds,
+            self.config.retune_samples,
+        )
+        self._retunes += 1
+        self._round_start = len(self._records)
+        self._round_budget = self.config.retune_samples
+        self._measurements = {}
+        self._best = None
+        self._converged = False
+        self._verdict = None
+        self._drift_seconds = 0.0
+        seed = None if self.config.seed is None else self.config.seed + self._retunes
+        self._optimizer = GroupOptimizer(
+            self.space, self.config.optimizer, _model_seed(seed, self.name)
+        )
+        self._after_default = [] if chosen == self.space.default else [chosen]
+        self._state = State.SAMPLING
+        self._group = Group(self._group.id + 1, self.space.default)
+        self._sample = _Sample(group=self._group, phase=Phase.DEFAULT)
+        self._discard_next = True
+        self.view = self._make_view()
+
     def _make_view(self) -> SessionView:
         default = self._measurements.get(self.space.default)
+        earlier = sum(r.phase is not Phase.COMPLETED for r in self._records[: self._round_start])
         return SessionView(
             name=self.name,
             state=self._state,
             current=self._group,
             samples=sum(r.phase is not Phase.COMPLETED for r in self._records),
-            max_samples=self.config.max_samples,
+            max_samples=earlier + self._round_budget,
             best=self._best,
             default_score=None if default is None else default.score,
             records=tuple(self._records),
             invalid_windows=self._invalid_windows,
+            verdict=self._verdict,
+            retunes=self._retunes,
         )
+
+
+def _half_width(interval: tuple[float, float]) -> float:
+    low, high = interval
+    return (high - low) / 2.0
 
 
 def _model_seed(seed: int | None, name: str) -> int | None:

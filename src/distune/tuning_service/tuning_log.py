@@ -18,7 +18,7 @@ import os
 import stat
 import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from distune.errors import DistuneError
@@ -39,6 +39,9 @@ COLUMNS = (
     "windows",
     "gain_vs_default",
     "invalid_windows",
+    "gain_margin",
+    "ended_early",
+    "note",
 )
 #: Default log file names: ``<dir>/distune_autotune_<random>.log``.
 DEFAULT_PREFIX = "distune_autotune_"
@@ -66,6 +69,9 @@ def row(record: SampleRecord) -> list[str]:
         str(record.windows),
         repr(record.gain_vs_default),
         str(record.invalid_windows),
+        "" if record.gain_margin is None else repr(record.gain_margin),
+        str(record.ended_early),
+        record.note,
     ]
 
 
@@ -128,7 +134,7 @@ class TuningLog:
         with self._lock:
             self._file.close()
 
-    def _write(self, rows: list[list[str]] | list[tuple[str, ...]]) -> None:
+    def _write(self, rows: Sequence[Sequence[str]]) -> None:
         if not rows:
             return
         with self._lock:

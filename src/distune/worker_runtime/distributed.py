@@ -110,15 +110,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         check_model_name(name)
         if hierarchical is not None and not isinstance(hierarchical, bool):
             raise TypeError(f"hierarchical must be True, False or None, got {hierarchical!r}")
-        if algorithm is None:
-            algorithm = GradientAllReduce()
-        if not isinstance(algorithm, Algorithm):
-            raise TypeError(
-                "algorithm must be one of distune.algorithms (GradientAllReduce, LowPrecision, "
-                f"Decentralized, AsyncModelAverage), got {algorithm!r}"
-            )
         #: The algorithm keeping the ranks' models in step.
-        self.algorithm = algorithm
+        self.algorithm = algorithm = _checked_algorithm(algorithm)
         arguments = TorchDDPArguments.check(
             [p for _, p in named],
             device_ids=device_ids,
@@ -147,19 +140,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._comm_device = self.device if "nccl" in backend else torch.device("cpu")
         self.topology = self._discover_topology()
         settings = WorkerSettings.from_env()
-        bucket_size = arguments.bucket_size
-        # A knob the algorithm does not use is pinned: tuning it would measure noise.
-        if not algorithm.uses_bucket_size and bucket_size is None:
-            bucket_size = settings.default_bucket_size
-        if not algorithm.uses_hierarchical and hierarchical is None:
-            hierarchical = False
-        start = StartingGroup.plan(
-            self.topology,
-            sum(p.numel() * p.element_size() for _, p in named),
-            bucket_size,
-            hierarchical,
-            settings,
-        )
+        start = self._plan_start(named, arguments.bucket_size, hierarchical, settings)
         hyperparameters = agree_on_model(self.process_group, named, start.space.default)
         if arguments.init_sync:
             broadcast_module_state(module, self.process_group)
@@ -168,19 +149,36 @@ class DistributedDataParallel(nn.Module, Joinable):
             if self.topology.hierarchical_possible
             else None
         )
-        self._averager: ModelAverager | None = (
-            None
-            if algorithm.averages_gradients
-            else algorithm.model_averager([p for _, p in named], self.process_group)
-        )
+        self._start_averaging(named)
         self._attach_runtime(named, hyperparameters, process_groups, algorithm)
-        if self._averager is not None:
-            self.require_backward_grad_sync = False  # gradients stay local
         # An algorithm that uses neither knob has nothing to tune.
         tuning = settings.tuning and (algorithm.uses_bucket_size or algorithm.uses_hierarchical)
         if tuning:
             self._start_tuning(settings, start, hyperparameters)
         self._log_start(len(named), start, tuning)
+
+    def _plan_start(
+        self,
+        named: list[tuple[str, nn.Parameter]],
+        bucket_size: int | None,
+        hierarchical: bool | None,
+        settings: WorkerSettings,
+    ) -> StartingGroup:
+        # A knob the algorithm does not use is pinned: tuning it would measure noise.
+        if not self.algorithm.uses_bucket_size and bucket_size is None:
+            bucket_size = settings.default_bucket_size
+        if not self.algorithm.uses_hierarchical and hierarchical is None:
+            hierarchical = False
+        gradients = sum(p.numel() * p.element_size() for _, p in named)
+        return StartingGroup.plan(self.topology, gradients, bucket_size, hierarchical, settings)
+
+    def _start_averaging(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        """A model-averaging algorithm's averager (it may create process groups: collective)."""
+        self._averager: ModelAverager | None = None
+        if not self.algorithm.averages_gradients:
+            params = [p for _, p in named]
+            self._averager = self.algorithm.model_averager(params, self.process_group)
+            self.require_backward_grad_sync = False  # gradients stay local
 
     def _discover_topology(self) -> Topology:
         topology = discover(self.process_group, self._comm_device)
@@ -437,6 +435,17 @@ def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
             "average, so it needs no DistributedDataParallel"
         )
     return named
+
+
+def _checked_algorithm(algorithm: Algorithm | None) -> Algorithm:
+    if algorithm is None:
+        return GradientAllReduce()
+    if not isinstance(algorithm, Algorithm):
+        raise TypeError(
+            "algorithm must be one of distune.algorithms (GradientAllReduce, LowPrecision, "
+            f"Decentralized, AsyncModelAverage), got {algorithm!r}"
+        )
+    return algorithm
 
 
 def _check_divide(divide_by_initial_world_size: object) -> None:

@@ -179,7 +179,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 flat.gather_grads()
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Gather the gradients into the flat buffers and step the wrapped optimizer."""
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})

@@ -123,7 +123,7 @@ class LiveTensorBytes(TorchDispatchMode):
         def resize_(storage: torch.UntypedStorage, size: int) -> Any:
             return mode._resized(storage, size)
 
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
         del original
         return super().__enter__()
 

@@ -1,32 +1,13 @@
 """Bucketed gradient averaging that overlaps backward: flat or hierarchical allreduce.
 
-How one synchronised backward goes:
-
-* Each parameter's ``post_accumulate_grad`` hook fires once its gradient is complete for this
-  backward. Its ``.grad`` is (or is copied into and becomes) a view of its bucket. When every
-  parameter of a bucket is ready, the bucket is launched: divided by the world size (before the
-  sum, as torch DDP does, so half precision does not overflow; large gradients are divided as
-  they are copied in) and allreduced asynchronously while backward goes on. Buckets are
-  launched in one fixed order on every rank (bucket ``k+1`` waits for bucket ``k``), so the
-  ranks' collectives always pair up.
-* The first hook queues a callback that autograd runs when backward ends. It launches whatever
-  is left (buckets of parameters that got no gradient in this backward: see below), then waits
-  for every bucket. So **backward returns with averaged gradients**, as with torch DDP: code
-  between ``backward()`` and ``optimizer.step()`` (gradient clipping, scaling, logging) sees
-  the final gradients, and the allreduces still overlap the backward computation. On CUDA the
-  wait is a stream wait (the stream backward ran on waits for the communication), never a host
-  synchronisation; on CPU (gloo) the host must wait for the values anyway.
-
-Parameters that get no gradient in a backward are handled like torch DDP's
-``find_unused_parameters=True``, at no cost when every parameter is used: at the end of backward
-a parameter still not ready contributes what its ``.grad`` holds (zeros if it is ``None``).
-Each bucket's allreduce also sums a flag per parameter saying whether the rank had a gradient
-for it; a parameter whose ``.grad`` was ``None`` gets the averaged gradient if another rank had
-one, and keeps ``None`` if no rank did (so optimizers skip it, as with torch DDP).
-
-After the first synchronised backward, rank 0's order of gradient readiness is broadcast and the
-buckets are rebuilt in that order (as torch DDP does), so the first bucket to fill is the first
-launched.
+Each parameter's ``post_accumulate_grad`` hook marks it ready; a full bucket is divided by the
+world size and allreduced asynchronously while backward goes on, buckets in one fixed order on
+every rank so the collectives pair up. An autograd callback at the end of backward launches
+what is left (parameters that got no gradient, handled as torch DDP's
+``find_unused_parameters=True``) and waits, so ``backward()`` returns with averaged gradients.
+After the first backward, buckets are rebuilt in rank 0's order of readiness.
+docs/worker_runtime.md ("Buckets and gradients", "One backward", "Unused parameters") has
+the rules and the reasons; they are written there once.
 """
 
 from __future__ import annotations
@@ -132,6 +113,13 @@ def _release(handles: list[Any], hierarchical: _HierarchicalAllreduce | None) ->
         hierarchical.close()
 
 
+def _enclosing_node() -> Any:
+    """The node of an enclosing backward that autograd is running on this thread, or ``None``:
+    in the end-of-backward callback of a backward nested in another (reentrant checkpointing),
+    the node whose backward ran the nested one."""
+    return torch._C._current_autograd_node()
+
+
 def _buckets_of(reducer_ref: weakref.ref[Reducer]) -> Callable[[], list[Bucket]]:
     # Weakly, like the hooks: an exchange must not keep a dropped wrapper's reducer alive.
     def buckets() -> list[Bucket]:
@@ -139,12 +127,6 @@ def _buckets_of(reducer_ref: weakref.ref[Reducer]) -> Callable[[], list[Bucket]]
         return [] if reducer is None else reducer._buckets
 
     return buckets
-
-
-def _inside_outer_backward() -> bool:
-    """Whether autograd is running a node of an enclosing backward on this thread: true in
-    the end-of-backward callback of a backward nested in another (reentrant checkpointing)."""
-    return torch._C._current_autograd_node() is not None
 
 
 #: Makes an algorithm's gradient exchange, given the reducer's buckets (in launch order) and
@@ -297,7 +279,6 @@ class Reducer:
 
     def _reset_backward_state(self) -> None:
         self._active = False
-        self._end_deferred = False
         self._ready = [False] * len(self._params)
         self._pending = [len(members) for members in self._members]
         self._next_bucket = 0
@@ -308,13 +289,6 @@ class Reducer:
         self._stream: Any = None
 
     def _check_idle(self, action: str) -> None:
-        if self._end_deferred:
-            raise ReductionError(
-                f"cannot {action}: the previous backward ended inside reentrant activation "
-                "checkpointing (torch.utils.checkpoint with use_reentrant=True) while some "
-                "parameters had no gradient yet, so its averaging never finished; use "
-                "use_reentrant=False, or make every parameter take part in each backward"
-            )
         if self._active:
             raise ReductionError(
                 f"cannot {action}: the previous backward's gradient averaging did not finish "
@@ -340,10 +314,6 @@ class Reducer:
                 return  # no_sync, or a backward this wrapper's forward did not arm
             if not self._active:
                 self._begin_backward()
-            elif self._end_deferred:
-                # The first part ended inside a reentrant backward: end with this one instead.
-                self._end_deferred = False
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             if self._ready[index]:
                 raise ReductionError(
                     f"parameter {self._names[index]!r} received its gradient twice in one "
@@ -420,13 +390,15 @@ class Reducer:
         self._handles.append(self._strategy.start(bucket.flat))
 
     def _end_backward(self) -> None:
-        if not all(self._ready) and _inside_outer_backward():
-            # A backward nested in another (reentrant checkpointing) ended, and parameters
-            # outside it are still to come in the enclosing backward: the next of their hooks
-            # queues this callback again, on the enclosing backward. One reduction per backward.
-            with self._lock:
-                self._end_deferred = True
-            return
+        if not all(self._ready):
+            enclosing = _enclosing_node()
+            if enclosing is not None:
+                # A backward nested in another (reentrant checkpointing) ended, and parameters
+                # outside it may still get gradients in the enclosing backward: end with that
+                # one instead (a hook on the node that ran the nested backward queues this
+                # callback there). One reduction, one iteration per backward, as torch DDP.
+                enclosing.register_hook(self._queue_end)
+                return
         stream = self._stream
         guard = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with self._lock, guard:
@@ -438,6 +410,9 @@ class Reducer:
                 self.armed = False
             self.iterations += 1
         self._after_iteration(ready_order)
+
+    def _queue_end(self, *_: Any) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _after_iteration(self, ready_order: list[int]) -> None:
         if not self._order_known:

@@ -20,7 +20,13 @@ OK_RESULT = {"outcome": "ok", "throughput": 10.0}
     [
         (0, False, [{"outcome": "ok"}, {"outcome": "ok"}], OK_RESULT, "ok"),
         # One rank ran out of memory; its peer failed in a collective: the trial is oom.
-        (1, False, [{"outcome": "crash", "error": "gloo"}, {"outcome": "oom", "error": "OOM"}], None, "oom"),
+        (
+            1,
+            False,
+            [{"outcome": "crash", "error": "gloo"}, {"outcome": "oom", "error": "OOM"}],
+            None,
+            "oom",
+        ),
         (137, False, [], None, "oom"),
         (1, True, [], None, "timeout"),
         (1, False, [{"outcome": "crash", "error": "ValueError: x"}], None, "crash"),
@@ -28,7 +34,9 @@ OK_RESULT = {"outcome": "ok", "throughput": 10.0}
         (1, False, [], None, "crash"),
     ],
 )
-def test_outcome_comes_from_reports_and_exit_status(exit_code, timed_out, reports, result, expected):
+def test_outcome_comes_from_reports_and_exit_status(
+    exit_code, timed_out, reports, result, expected
+):
     outcome, _ = classify(exit_code, timed_out, reports, result, "some log")
     assert outcome == expected
 
@@ -43,32 +51,74 @@ def test_a_crash_carries_the_failing_ranks_traceback_tail() -> None:
 
 
 def test_mapped_flags_are_rewritten_in_both_spellings() -> None:
-    pins = TrialPins(arg_mappings=(("gradient_accumulation_steps", "--accum"), ("train_micro_batch_size_per_gpu", "--bs")))
+    pins = TrialPins(
+        arg_mappings=(
+            ("gradient_accumulation_steps", "--accum"),
+            ("train_micro_batch_size_per_gpu", "--bs"),
+        )
+    )
     args = ["--bs", "4", "--lr", "0.1", "--accum=2", "--steps", "10"]
-    assert rewrite_script_args(args, pins, 8, 1) == ["--lr", "0.1", "--steps", "10", "--accum", "1", "--bs", "8"]
+    assert rewrite_script_args(args, pins, 8, 1) == [
+        "--lr",
+        "0.1",
+        "--steps",
+        "10",
+        "--accum",
+        "1",
+        "--bs",
+        "8",
+    ]
     assert rewrite_script_args(args, TrialPins(), 8, 1) == args  # unmapped: left alone
 
 
 def test_the_best_command_keeps_torchrun_flags_and_turns_tuning_off() -> None:
     argv = [
-        "--nproc_per_node", "2", "--autotune_level", "2", "--autotune-device-memory=1GiB",
-        "--autotune_allow_batch_change", "--autotune_max_trials", "5", "train.py", "--autotune_level", "7",
+        "--nproc_per_node",
+        "2",
+        "--autotune_level",
+        "2",
+        "--autotune-device-memory=1GiB",
+        "--autotune_allow_batch_change",
+        "--autotune_max_trials",
+        "5",
+        "train.py",
+        "--autotune_level",
+        "7",
     ]
     args, _ = parse(argv)
     command = command_without_tuning(argv, args, Path("/r/best_config.json"))
     assert command == [
-        "distune-run", "--nproc_per_node", "2", "--autotune_level", "0",
-        "--autotune_config", "/r/best_config.json", "train.py", "--autotune_level", "7",
+        "distune-run",
+        "--nproc_per_node",
+        "2",
+        "--autotune_level",
+        "0",
+        "--autotune_config",
+        "/r/best_config.json",
+        "train.py",
+        "--autotune_level",
+        "7",
     ]
 
 
 def test_level2_flags_and_config_keys(tmp_path: Path) -> None:
     config = tmp_path / "c.yaml"
-    config.write_text("zero_optimization: {stage: 1}\narg_mappings: {train_micro_batch_size_per_gpu: --bs}\n")
-    args, options = parse([
-        "--autotune_level", "2", "--autotune_device_memory", "512MiB", "--autotune_metric", "latency",
-        "--autotune_config", str(config), "t.py",
-    ])
+    config.write_text(
+        "zero_optimization: {stage: 1}\narg_mappings: {train_micro_batch_size_per_gpu: --bs}\n"
+    )
+    args, options = parse(
+        [
+            "--autotune_level",
+            "2",
+            "--autotune_device_memory",
+            "512MiB",
+            "--autotune_metric",
+            "latency",
+            "--autotune_config",
+            str(config),
+            "t.py",
+        ]
+    )
     assert options.autotune_device_memory == 512 * 2**20
     assert options.autotune_metric == "latency"
     assert trial_pins(args).stage == 1
@@ -78,7 +128,10 @@ def test_level2_flags_and_config_keys(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--autotune_device_memory", "lots"], "must be a number of bytes like 536870912, 512MiB or 2GiB"),
+        (
+            ["--autotune_device_memory", "lots"],
+            "must be a number of bytes like 536870912, 512MiB or 2GiB",
+        ),
         (["--autotune_metric", "speed"], "must be one of throughput, latency"),
         (["--autotune_mode", "dry"], "must be one of tune, run"),
         (["--autotune_max_trials", "1"], "must be an integer of at least 2"),
@@ -90,3 +143,38 @@ def test_bad_level2_flags_exit_2_naming_the_flag(argv, message, capsys) -> None:
         parse([*argv, "t.py"])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_arg_mappings_example_config_is_valid() -> None:
+    example = Path(__file__).resolve().parents[3] / "examples" / "level2_arg_mappings.yaml"
+    args, _ = parse(["--autotune_level", "2", "--autotune_config", str(example), "t.py"])
+    pins = trial_pins(args)
+    assert pins.global_batch == 32
+    assert rewrite_script_args(["--batch-size", "2"], pins, 8, 2) == [
+        "--grad-accum", "2", "--batch-size", "8",
+    ]  # fmt: skip
+
+
+def test_level2_refuses_several_nodes_and_a_results_dir_already_used(tmp_path: Path) -> None:
+    from distune.launcher.level2 import Level2
+    from distune.launcher.options import OptionError
+
+    argv = ["--nnodes", "2", "--nproc_per_node", "2", "--autotune_level", "2", "t.py"]
+    args, options = parse(argv)
+    with pytest.raises(OptionError, match="trials run on one node"):
+        Level2(args, options, TrialPins(), argv)
+    used = tmp_path / "results"
+    used.mkdir()
+    (used / "trials.jsonl").write_text("")
+    argv = [
+        "--nproc_per_node",
+        "2",
+        "--autotune_level",
+        "2",
+        "--autotune_results_dir",
+        str(used),
+        "t.py",
+    ]
+    args, options = parse(argv)
+    with pytest.raises(OptionError, match=r"already holds trials\.jsonl"):
+        Level2(args, options, TrialPins(), argv)

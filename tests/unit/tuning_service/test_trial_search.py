@@ -254,8 +254,9 @@ def test_pins_are_never_changed_and_the_global_batch_is_fixed() -> None:
 
 
 def test_the_best_two_are_measured_again_within_the_budget() -> None:
-    search = new_search(None, max_trials=6)
-    ran = run_search(search, None)
+    cap = 420 * MiB  # DDP fits micro-batch 1 only: the sharded stages are worth trying
+    search = new_search(cap, max_trials=6)
+    ran = run_search(search, cap)
     assert len(ran) == 6
     remeasured = [r.config for r in ran if r.purpose == "remeasure"]
     assert len(remeasured) == 2
@@ -315,3 +316,10 @@ def test_a_trial_record_round_trips_through_trials_jsonl() -> None:
         log_path="/r/log.txt",
     )
     assert TrialResult.from_json(json.loads(json.dumps(result.to_json()))) == result
+
+
+def test_a_stage_that_fits_no_larger_micro_batch_than_a_cheaper_one_is_skipped() -> None:
+    search = new_search(None)  # no cap: DDP fits the largest micro-batch
+    ran = run_search(search, None)
+    assert {r.config.stage for r in ran} == {0}
+    assert any("zero1: skipped" in d for d in search.decisions)

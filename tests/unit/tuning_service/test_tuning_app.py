@@ -9,8 +9,8 @@ from distune.space import FixedKnobs
 from distune.tuning_service.app import MAX_BODY_BYTES, create_app
 from distune.tuning_service.config import TuningConfig
 from distune.tuning_service.service import TuningService
+from tests.support.models import MULTI_NODE_LARGE_REGISTRATION as REGISTRATION
 
-REGISTRATION = {"world_size": 8, "nnodes": 2, "local_world_size": 4, "gradient_bytes": 2**28}
 CONFIG = TuningConfig(
     max_samples=6, sampling_confidence_time=2.0, min_windows=2, warmup_time=0.0, seed=1
 )

@@ -8,13 +8,13 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import pytest
 
-from distune.space import Hyperparameters, ModelFacts
+from distune.space import Hyperparameters
 from distune.tuning_service.config import TuningConfig
 from distune.tuning_service.messages import Registration, Report
 from distune.tuning_service.service import TuningService
 from distune.tuning_service.session import StaleGroupError, State
+from tests.support.models import MULTI_NODE as FACTS
 
-FACTS = ModelFacts(world_size=8, nnodes=2, local_world_size=4, gradient_bytes=2**24)
 CONFIG = TuningConfig(
     max_samples=8, sampling_confidence_time=2.0, min_windows=2, warmup_time=0.0, seed=4
 )

@@ -110,6 +110,8 @@ def test_best_file_for_one_model_carries_the_launcher_keys(tmp_path):
         "score": view.best.score,
         "default_score": view.default_score,
         "gain_vs_default": view.best.gain_vs_default,
+        "gain_margin": view.best.gain_margin,
+        "verdict": view.verdict,
         "samples": view.samples,
     }
     assert stat.S_IMODE(os.stat(best).st_mode) == 0o600

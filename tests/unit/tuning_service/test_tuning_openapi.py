@@ -9,8 +9,8 @@ from openapi_spec_validator import validate
 from distune.tuning_service.app import create_app
 from distune.tuning_service.config import TuningConfig
 from distune.tuning_service.service import TuningService
+from tests.support.models import MULTI_NODE_LARGE_REGISTRATION as REGISTRATION
 
-REGISTRATION = {"world_size": 8, "nnodes": 2, "local_world_size": 4, "gradient_bytes": 2**28}
 AUTOMATIC_METHODS = {"HEAD", "OPTIONS"}
 
 

@@ -7,8 +7,8 @@ import pytest
 from distune.space import FixedKnobs, Hyperparameters, ModelFacts, SearchSpace
 from distune.tuning_service.config import ConfigError, OptimizerSettings
 from distune.tuning_service.optimizer import GroupOptimizer
+from tests.support.models import MULTI_NODE as FACTS
 
-FACTS = ModelFacts(world_size=8, nnodes=2, local_world_size=4, gradient_bytes=2**24)
 SPACE = SearchSpace.for_model(FACTS)  # buckets 2^16..2^24, flat or hierarchical: 18 groups
 SMALL = SearchSpace.for_model(ModelFacts(8, 2, 4, 2**19))  # 2^16..2^19: 8 groups
 
@@ -91,36 +91,37 @@ def test_asking_before_telling_is_an_error():
         GroupOptimizer(SPACE, OptimizerSettings(), seed=0).suggest()
 
 
-def _initial_design(budget: int | None, seed: int) -> list[Hyperparameters]:
-    optimizer = GroupOptimizer(SPACE, OptimizerSettings(), seed=seed, budget=budget)
-    optimizer.tell(SPACE.default, throughput(SPACE.default))
+LARGE = SearchSpace.for_model(ModelFacts(8, 2, 4, 2**30))  # buckets 2^16..2^30
+
+
+def _initial_design(settings: OptimizerSettings, seed: int) -> list[Hyperparameters]:
+    optimizer = GroupOptimizer(LARGE, settings, seed=seed)
+    optimizer.tell(LARGE.default, 1.0)
     design = []
     while (suggestion := optimizer.suggest()).expected_improvement is None:
         design.append(suggestion.hyperparameters)
-        optimizer.tell(suggestion.hyperparameters, throughput(suggestion.hyperparameters))
+        optimizer.tell(suggestion.hyperparameters, 1.0)
     return design
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_a_small_budget_keeps_the_initial_design_to_the_middle_of_the_range(seed):
-    """Buckets 2^16..2^24: the middle 60% is 2^18..2^22. With 10 samples or fewer the design
-    stays there, both shapes included; with more it spreads to the ends of the range."""
-    small = _initial_design(budget=10, seed=seed)
-    assert len(small) == 3
-    assert all(18 <= hp.bucket_size_2p <= 22 for hp in small)
-    assert {hp.is_hierarchical_reduce for hp in small} == {False, True}
-    large = _initial_design(budget=11, seed=seed)
-    assert min(hp.bucket_size_2p for hp in large) == 16  # the far end from the default's 2^24
-    assert _initial_design(budget=None, seed=seed) == large
+def test_the_initial_design_keeps_to_at_most_2_to_the_8_buckets_or_covers_the_range(seed):
+    """A 2^30-byte model: at most 2^8 buckets means buckets of 2^22 and up. The design keeps
+    there, both shapes included, and reaches the top; without the prior it reaches 2^16."""
+    design = _initial_design(OptimizerSettings(), seed)
+    assert len(design) == 3
+    assert all(22 <= hp.bucket_size_2p <= 30 for hp in design)
+    assert {hp.is_hierarchical_reduce for hp in design} == {False, True}
+    whole = _initial_design(OptimizerSettings(design_max_buckets_2p=None), seed)
+    assert min(hp.bucket_size_2p for hp in whole) == 16
 
 
 @pytest.mark.parametrize(
     "change, message",
     [
         ({"acquisition": "UCB"}, "acquisition must be one of EI, PI, LCB; got 'UCB'"),
-        ({"small_budget": -1}, "small_budget"),
-        ({"small_budget_share": 0.0}, r"small_budget_share must be in \(0, 1\], got 0.0"),
-        ({"small_budget_share": 1.5}, "small_budget_share"),
+        ({"design_max_buckets_2p": -1}, r"design_max_buckets_2p must be in \[0, 48\]"),
+        ({"design_max_buckets_2p": 1.5}, "design_max_buckets_2p must be an integer"),
     ],
 )
 def test_bad_settings_are_refused_by_name(change, message):

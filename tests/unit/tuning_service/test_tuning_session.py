@@ -85,7 +85,9 @@ def test_a_sample_needs_both_its_time_and_its_windows():
 
 
 def test_first_window_after_a_switch_is_discarded():
-    s = session(TuningConfig(sampling_confidence_time=3.0, warmup_time=0, seed=1))
+    # A steady 80 against 100 would end early (see the early-end tests): measured in full here.
+    config = TuningConfig(sampling_confidence_time=3.0, warmup_time=0, seed=1, early_end_windows=0)
+    s = session(config)
     for _ in range(4):
         window(s, 100.0)
     assert s.view.samples == 1 and s.view.current.id == 1
@@ -231,7 +233,9 @@ def test_a_lucky_sample_does_not_win_without_confirmation():
     first time (a quiet network, say): it is re-measured before it can be chosen, and loses
     once its samples are pooled."""
     peak = peaked(Hyperparameters(24, False))
-    s = session(TuningConfig(max_samples=20, warmup_time=0, seed=5))
+    # One sample 8% off makes the samples' own spread large: a low confidence keeps the +9%
+    # of the peak over the default measurable, so what is tested is the confirmation.
+    s = session(TuningConfig(max_samples=20, warmup_time=0, seed=5, gain_confidence=0.5))
     while s.view.state is not State.COMPLETED:
         hp = s.view.current.hyperparameters
         window(s, 1.08 * peak if s.view.samples == 4 else peaked(hp))
@@ -297,7 +301,12 @@ def test_a_group_measured_once_cannot_win_over_a_confirmed_one_when_the_budget_r
     the last two samples of the budget; both come down, and the 4th group, measured once (also
     by luck), now has the highest score. The choice is the best confirmed group instead."""
     measured = [100.0, 130.0, 128.0, 122.0, 110.0, 105.0]  # the rate of sample 1, 2, ...
-    s = session(TuningConfig(max_samples=6, sampling_confidence_time=3.0, warmup_time=0, seed=3))
+    # Samples this far apart for one group make a wide interval on the gain: a low confidence
+    # keeps +20% measurable, so the choice shown is the confirmed group's, not the default's.
+    config = TuningConfig(
+        max_samples=6, sampling_confidence_time=3.0, warmup_time=0, seed=3, gain_confidence=0.5
+    )
+    s = session(config)
     while s.view.state is not State.COMPLETED:
         window(s, measured[s.view.samples])
     *samples, final = s.view.records
@@ -315,14 +324,15 @@ def test_a_group_measured_once_cannot_win_over_a_confirmed_one_when_the_budget_r
 
 @pytest.mark.parametrize("share, groups", [(0.0, 8), (0.5, 10)])
 def test_the_search_stops_early_only_after_a_share_of_the_budget(share, groups):
-    """On a smooth landscape the search converges as soon as it may: after ``stop_min_groups``
-    (8) groups, or half of the 20-sample budget's worth of groups with ``stop_min_share`` 0.5."""
+    """On a smooth landscape the search converges early, but never before ``stop_min_groups``
+    (8) groups, nor before half of the 20-sample budget's worth of groups with
+    ``stop_min_share`` 0.5 (the cost-aware acquisition may look at a group more first)."""
     settings = OptimizerSettings(stop_min_share=share)
     s = session(TuningConfig(max_samples=20, warmup_time=0, seed=2, optimizer=settings))
     samples = [
         r for r in run_to_completion(s, noise=0.02, seed=2) if r.phase is not Phase.COMPLETED
     ]
-    assert len({r.group.hyperparameters for r in samples}) == groups
+    assert groups <= len({r.group.hyperparameters for r in samples}) <= groups + 1
     assert len(samples) < 20
 
 

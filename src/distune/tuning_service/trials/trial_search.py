@@ -9,8 +9,10 @@ memory still) and the search steps down. A configuration that ran near the memor
 slowed by it (allocator pressure, smaller kernels elsewhere), so from there the search steps
 down while the smaller micro-batch is faster; so does a search for the lowest latency, whose
 step time may fall with the micro-batch when the global batch is free to change.
-Checkpointing is tried for a stage only where it fits a larger micro-batch than the stage
-reached without it: recomputation costs time.
+Checkpointing and sharding are tried only where they are predicted to fit a larger
+micro-batch than the cheaper ways already reached (a lower stage, or the same stage without
+checkpointing): recomputation and sharding's extra communication cost time, and pay only by
+making room (DeepSpeed's autotuner stops climbing stages for the same reason).
 A family whose trial crashed, hung or was invalid is given up. Finally the two best
 configurations are measured once more, and the best mean wins.
 """
@@ -143,10 +145,18 @@ class TrialSearch:
             if (oom_at is None or m < oom_at)
             and self.fits(self.space.config(stage, checkpointing, m))
         ]
-        if checkpointing and False in self.space.checkpointing():
-            without = [m for m, r in self._tried(stage, False).items() if r.outcome == OK]
-            if fitting and max(fitting) <= max(without, default=0):
-                return None
+        # Checkpointing costs recomputation and sharding costs communication: each pays only
+        # where it fits a larger micro-batch than the cheaper ways already reached.
+        cheaper = [
+            (s, c)
+            for s in self.space.stages()
+            for c in self.space.checkpointing()
+            if s <= stage and c <= checkpointing and (s, c) != family
+        ]
+        reached = [m for key in cheaper for m, r in self._tried(*key).items() if r.outcome == OK]
+        if fitting and not tried and max(fitting) <= max(reached, default=0):
+            self._skip(family, max(fitting), max(reached))
+            return None
         ok = [m for m, r in tried.items() if r.outcome == OK]
         above = [m for m in fitting if m > max(ok, default=0) and m not in tried]
         if above:
@@ -172,6 +182,16 @@ class TrialSearch:
             if tried[below].outcome != OK:
                 return None
             chain.append(below)
+
+    def _skip(self, family: tuple[int, bool], fits: int, reached: int) -> None:
+        if family not in self._given_up:
+            self._given_up.add(family)
+            config = self.space.config(family[0], family[1], fits)
+            what = config.strategy + (" with checkpointing" if family[1] else "")
+            self.decisions.append(
+                f"{what}: skipped, it fits micro-batch {fits} at most and a cheaper strategy "
+                f"reached {reached}"
+            )
 
     def _near_full(self, result: TrialResult) -> bool:
         peak = result.peak_memory_bytes

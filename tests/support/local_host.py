@@ -1,4 +1,4 @@
-"""Ports and processes of this machine, as the benchmarks and the end-to-end tests probe them."""
+"""Ports and processes of this machine, as the end-to-end tests and the benchmarks probe them."""
 
 from __future__ import annotations
 

@@ -1,0 +1,96 @@
+"""The REST API v1 routes, as one Flask blueprint under ``/api/v1``.
+
+Each route reads its JSON body through :func:`json_body`, parses it into a message
+(``messages.py``) and asks the :class:`~distune.tuning_service.service.TuningService` that
+``create_app`` put in ``app.extensions``. Errors are raised, never answered here: the
+application's handlers (``app.py``) turn them into ``{"error": ...}`` with a 4xx status.
+docs/tuning_service.md documents the endpoints; ``openapi.py`` describes them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, NoReturn, cast
+
+from flask import Blueprint, Response, current_app, jsonify, request
+
+import distune
+from distune.tuning_service.messages import Registration, Report, RequestError
+from distune.tuning_service.openapi import openapi_document
+from distune.tuning_service.service import TuningService
+
+#: The key of the application's TuningService in ``app.extensions``.
+EXTENSION = "distune"
+#: Endpoints that answer without the bearer token.
+PUBLIC_ENDPOINTS = frozenset({"api.health"})
+
+blueprint = Blueprint("api", __name__, url_prefix="/api/v1")
+
+
+def current_service() -> TuningService:
+    """The TuningService of the application handling this request."""
+    return cast(TuningService, current_app.extensions[EXTENSION])
+
+
+def _reject_constant(name: str) -> NoReturn:
+    # Python's json accepts NaN and Infinity, which are not JSON; no field may hold them.
+    raise RequestError("body", f"{name} is not a valid JSON number")
+
+
+def json_body() -> Any:
+    """The request's body as JSON; RequestError (a 400) when it is not valid JSON."""
+    raw = request.get_data(cache=False)  # raises 413 past MAX_CONTENT_LENGTH
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise RequestError("body", "must be UTF-8 encoded JSON") from None
+    except RecursionError:
+        raise RequestError("body", "is nested too deeply") from None
+    except ValueError as error:  # JSONDecodeError, and integers too long to convert
+        if isinstance(error, RequestError):
+            raise
+        raise RequestError("body", f"is not valid JSON ({error})") from None
+
+
+@blueprint.get("/health")
+def health() -> Response:
+    """Liveness and version; needs no token."""
+    return jsonify({"status": "ok", "version": distune.__version__})
+
+
+@blueprint.post("/models/<name>/register")
+def register(name: str) -> Response:
+    """Register a model (or re-register it after a restart); answers its current group."""
+    registration = Registration.from_json(json_body())
+    return jsonify(current_service().register(name, registration).to_dict())
+
+
+@blueprint.post("/models/<name>/report")
+def report(name: str) -> Response:
+    """Take one measured window; answers the group to run next."""
+    body = Report.from_json(json_body())
+    return jsonify(current_service().report(name, body).to_dict())
+
+
+@blueprint.get("/models/<name>/hyperparameters")
+def hyperparameters(name: str) -> Response:
+    """The model's current group and state."""
+    return jsonify(current_service().hyperparameters(name).to_dict())
+
+
+@blueprint.get("/models/<name>/log")
+def log(name: str) -> Response:
+    """The model's CSV log rows."""
+    return Response(current_service().log_csv(name), mimetype="text/csv")
+
+
+@blueprint.get("/status")
+def status() -> Response:
+    """Every model's state, samples, current and best group."""
+    return jsonify(current_service().status())
+
+
+@blueprint.get("/openapi.json")
+def openapi() -> Response:
+    """The OpenAPI 3 document of this API."""
+    return jsonify(openapi_document(distune.__version__))

@@ -1,0 +1,207 @@
+"""Cheap exploration and honest gains, driven by scripted reports: a hopeless sample ends
+early, the gain's interval covers the true gain, the session keeps the default when no group
+is measurably faster, and it reopens when the throughput drifts after completion."""
+
+import math
+import random
+
+import pytest
+
+from distune.space import FixedKnobs, Hyperparameters, ModelFacts
+from distune.tuning_service.config import ConfigError, TuningConfig
+from distune.tuning_service.messages import Report
+from distune.tuning_service.session import Phase, State, TuningSession
+
+# Two groups: the bucket is fixed; flat (the default) or hierarchical.
+TWO_GROUPS = ModelFacts(world_size=4, nnodes=2, local_world_size=2, gradient_bytes=2**24)
+FIXED_BUCKET = FixedKnobs(bucket_size_2p=22)
+FLAT, HIERARCHICAL = Hyperparameters(22, False), Hyperparameters(22, True)
+
+
+def session(facts=TWO_GROUPS, fixed=FIXED_BUCKET, **overrides) -> TuningSession:
+    values = dict(max_samples=4, sampling_confidence_time=5.0, warmup_time=0.0, seed=3)
+    return TuningSession("m", facts, fixed, TuningConfig(**{**values, **overrides}))
+
+
+def send(s: TuningSession, rate: float, seconds: float = 1.0):
+    """One window of the current group at ``rate`` iterations/s, about ``seconds`` long."""
+    iterations = max(1, round(rate * seconds))
+    return s.report(Report(s.view.current.id, 0, iterations, iterations / rate))
+
+
+def run(s: TuningSession, true_rate, rng: random.Random, sigma: float) -> None:
+    """Report windows with log-normal noise ``sigma`` around ``true_rate(hp)`` until the
+    session completes."""
+    while s.view.state is not State.COMPLETED:
+        rate = true_rate(s.view.current.hyperparameters) * math.exp(rng.gauss(0.0, sigma))
+        send(s, rate)
+
+
+class TestEarlyEnd:
+    def test_a_hopeless_sample_ends_after_two_windows_and_is_scored_with_them(self):
+        # A 2^16..2^24 bucket range: the design explores; every group but the default is
+        # hopeless, 20 iterations/s against 100.
+        s = session(fixed=FixedKnobs(), max_samples=3, confirm_top=0)
+        for _ in range(6):
+            send(s, 100.0)  # the default: the switch window, then 5 s
+        assert s.view.samples == 1 and s.view.current.hyperparameters != FLAT
+        send(s, 5.0)  # the switch's window: discarded
+        assert send(s, 20.0)[1] == []  # one window is not enough to judge
+        (record,) = send(s, 21.0)[1]
+        assert record.phase is Phase.INITIAL and record.ended_early
+        assert record.windows == 2 and record.score == pytest.approx(20.5)
+        assert record.seconds < 5.0  # less than a full sample's time
+        assert s.view.samples == 2
+
+    def test_one_stalled_window_does_not_end_a_good_sample(self):
+        s = session(fixed=FixedKnobs(), max_samples=3, confirm_top=0)
+        for _ in range(6):
+            send(s, 100.0)
+        send(s, 5.0)
+        send(s, 30.0)  # a stall
+        assert send(s, 101.0)[1] == []  # the fastest window is not clearly slower: go on
+        records = []
+        for _ in range(4):
+            records += send(s, 101.0)[1]
+        assert not records[0].ended_early and records[0].windows >= 3
+
+    def test_the_default_and_confirmations_are_never_ended_early(self):
+        s = session(max_samples=4, early_end_windows=2)
+        for _ in range(6):
+            send(s, 100.0)
+        send(s, 1.0)
+        for _ in range(5):
+            send(s, 150.0)  # hierarchical: much faster, now the best
+        # The default is measured again before completing on another group: even at half its
+        # first speed it is measured in full, so the gain over it is a real measurement.
+        send(s, 1.0)
+        records = []
+        while not records:
+            records = send(s, 50.0)[1]
+        assert records[0].phase is Phase.CONFIRM and not records[0].ended_early
+
+    def test_early_end_can_be_switched_off(self):
+        s = session(fixed=FixedKnobs(), max_samples=3, confirm_top=0, early_end_windows=0)
+        for _ in range(6):
+            send(s, 100.0)
+        send(s, 5.0)
+        assert send(s, 20.0)[1] == [] and send(s, 20.0)[1] == []  # measured in full
+
+
+class TestHonestGain:
+    def test_the_interval_covers_the_true_gain_in_at_least_90_percent_of_runs(self):
+        """Seeded simulation: hierarchical is truly 6% faster; windows carry 4.5% noise and
+        each sample its own 1% offset. The 95% interval must hold +6% in >= 90% of runs."""
+        rng = random.Random(14)
+        truth = {FLAT: 100.0, HIERARCHICAL: 106.0}
+        covered, runs = 0, 200
+        for seed in range(runs):
+            s = session(max_samples=6, seed=seed)
+            offsets: dict[int, float] = {}
+
+            def rate(hp, s=s, offsets=offsets):
+                group = s.view.current.id
+                offsets.setdefault(group, math.exp(rng.gauss(0.0, 0.01)))
+                return truth[hp] * offsets[group]
+
+            run(s, rate, rng, 0.045)
+            best = s.view.best
+            true_gain = truth[best.group.hyperparameters] / truth[FLAT] - 1.0
+            low, high = best.gain_interval
+            covered += low <= true_gain <= high
+        assert covered / runs >= 0.90
+
+    def test_nothing_measurably_faster_completes_on_the_default_and_says_so(self):
+        rng = random.Random(5)
+        s = session(max_samples=6)
+        run(s, lambda hp: 100.0, rng, 0.04)  # two equal groups
+        assert s.view.state is State.COMPLETED
+        assert s.view.current.hyperparameters == FLAT
+        best = s.view.best
+        assert best.group.hyperparameters == FLAT and best.gain_vs_default == 0.0
+        assert not best.measurably_faster
+        assert s.view.verdict.startswith(
+            "no group measurably faster than the default: differences within ±"
+        )
+        within = float(s.view.verdict.rsplit("±", 1)[1].rstrip("%")) / 100
+        assert 0.0 < within < 0.2 and best.gain_margin == pytest.approx(within, abs=1e-3)
+        final = s.view.records[-1]
+        assert final.phase is Phase.COMPLETED and final.note == s.view.verdict
+        status = s.view.to_status()
+        assert status["verdict"] == s.view.verdict
+        assert status["best"]["measurably_faster"] is False
+
+    def test_a_clearly_faster_group_is_chosen_with_its_interval(self):
+        rng = random.Random(6)
+        s = session(max_samples=6)
+        run(s, lambda hp: 130.0 if hp.is_hierarchical_reduce else 100.0, rng, 0.04)
+        best = s.view.best
+        assert best.group.hyperparameters == HIERARCHICAL and best.measurably_faster
+        low, high = best.gain_interval
+        assert 0.0 < low < 0.30 < high
+        assert s.view.verdict.startswith(f"{best.gain_vs_default:+.1%} vs the default (95%")
+
+    def test_a_close_call_spends_leftover_budget_on_the_two_groups(self):
+        """Hierarchical leads by 2% in windows that swing by ±4%: too close to call after the
+        default's second look, so the rest of the budget re-measures the two (narrowing the
+        interval) and the session still completes on the default."""
+        s = session(max_samples=8)
+        swing = [1.0, 1.04, 0.96]
+        count = 0
+        while s.view.state is not State.COMPLETED:
+            level = 102.0 if s.view.current.hyperparameters.is_hierarchical_reduce else 100.0
+            send(s, level * swing[count % 3])
+            count += 1
+        samples = [r for r in s.view.records if r.phase is not Phase.COMPLETED]
+        assert len(samples) == 8  # the whole budget went into deciding
+        assert [r.phase for r in samples[2:]] == [Phase.CONFIRM] * 6
+        assert s.view.current.hyperparameters == FLAT
+        assert s.view.verdict.startswith("no group measurably faster than the default")
+
+
+class TestDrift:
+    def tuned(self, **overrides) -> TuningSession:
+        s = session(max_samples=4, retune_drift_time=10.0, retune_samples=3, **overrides)
+        rng = random.Random(1)
+        run(s, lambda hp: 150.0 if hp.is_hierarchical_reduce else 100.0, rng, 0.02)
+        assert s.view.current.hyperparameters == HIERARCHICAL
+        return s
+
+    def test_a_lasting_drop_reopens_with_a_small_budget_default_first(self):
+        s = self.tuned(retune_drift=0.2)
+        samples_before = s.view.samples
+        for _ in range(9):
+            send(s, 90.0)  # 40% below the choice's score, for 9 s: not yet
+        assert s.view.state is State.COMPLETED
+        send(s, 90.0)  # the 10th second
+        view = s.view
+        assert view.state is State.SAMPLING and view.retunes == 1
+        assert view.current.hyperparameters == FLAT  # the default first, then the old choice
+        assert view.max_samples == samples_before + 3
+        assert view.to_status()["retunes"] == 1
+        rng = random.Random(2)
+        # Conditions changed: now flat is the faster one.
+        run(s, lambda hp: 60.0 if hp.is_hierarchical_reduce else 95.0, rng, 0.02)
+        round_two = [r for r in s.view.records[samples_before + 1 :]]
+        phases = [r.phase for r in round_two]
+        assert phases[:2] == [Phase.DEFAULT, Phase.INITIAL] and phases[-1] is Phase.COMPLETED
+        assert round_two[1].group.hyperparameters == HIERARCHICAL  # the earlier choice
+        assert s.view.current.hyperparameters == FLAT
+        assert s.view.samples == samples_before + 3
+
+    def test_a_short_dip_or_drift_off_keeps_the_choice(self):
+        s = self.tuned(retune_drift=0.2)
+        for _ in range(3):
+            for _ in range(8):
+                send(s, 90.0)
+            send(s, 150.0)  # back up: the count starts again
+        assert s.view.state is State.COMPLETED and s.view.retunes == 0
+        off = self.tuned()  # retune_drift None: off by default
+        for _ in range(100):
+            send(off, 50.0)
+        assert off.view.state is State.COMPLETED and off.view.retunes == 0
+
+    @pytest.mark.parametrize("value", [0.0, 1.5, -0.1])
+    def test_a_drift_fraction_outside_0_1_is_refused_by_name(self, value):
+        with pytest.raises(ConfigError, match=r"retune_drift must be in \(0, 1\]"):
+            TuningConfig(retune_drift=value)
