@@ -55,9 +55,7 @@ class NameRegistry:
     def __init__(self) -> None:
         self._holders: weakref.WeakValueDictionary[str, _Holder] = weakref.WeakValueDictionary()
 
-    def claim(
-        self, name: str, params: Sequence[torch.Tensor], stop: Callable[[], None]
-    ) -> _Holder:
+    def claim(self, name: str, params: Sequence[torch.Tensor], stop: Callable[[], None]) -> _Holder:
         """Claim ``name`` for a wrapper of ``params``; the caller keeps the returned claim
         alive as long as the wrapper. ``stop`` ends the wrapper's tuning if a newer wrapper
         of the same parameters takes the name over."""

@@ -200,9 +200,7 @@ def test_rewrapping_the_same_parameters_takes_the_name_over(tuning_world):
         assert not new._sync.stopped
 
 
-def test_a_refused_registration_shows_the_services_message_and_stops_tuning(
-    tuning_world, caplog
-):
+def test_a_refused_registration_shows_the_services_message_and_stops_tuning(tuning_world, caplog):
     with ScriptedService() as service:
         tuning_world(service.url)
         service.respond = lambda action, body: (
