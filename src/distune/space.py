@@ -12,7 +12,7 @@ import numbers
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeGuard
 
 from distune.checks import InvalidValue, integer_in
 from distune.errors import DistuneError
@@ -38,7 +38,7 @@ class HyperparameterError(DistuneError, ValueError):
     """A hyperparameter value, name or search-space fact is invalid; the message says why."""
 
 
-def is_valid_model_name(name: object) -> bool:
+def is_valid_model_name(name: object) -> TypeGuard[str]:
     """Whether ``name`` follows :data:`MODEL_NAME_RULE`."""
     return isinstance(name, str) and MODEL_NAME_PATTERN.fullmatch(name) is not None
 

@@ -130,22 +130,26 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
         self.module = module
         self.name = name
-        self.process_group = dist.group.WORLD if process_group is None else process_group
+        #: torch's group the gradients are averaged over (``None`` only in a copy loaded
+        #: where torch.distributed is not initialized).
+        if process_group is None:
+            process_group = _default_process_group()
+        self.process_group: dist.ProcessGroup | None = process_group
         self.device = arguments.device
         self.broadcast_buffers = arguments.broadcast_buffers
         #: torch DDP's flag: False inside :meth:`no_sync`.
         self.require_backward_grad_sync = True
-        backend = str(dist.get_backend(self.process_group))
+        backend = str(dist.get_backend(process_group))
         # Small collectives (topology, sync points, join) need CUDA tensors under NCCL.
         self._comm_device = self.device if "nccl" in backend else torch.device("cpu")
         self.topology = self._discover_topology()
         settings = WorkerSettings.from_env()
         start = self._plan_start(named, arguments.bucket_size, hierarchical, settings)
-        hyperparameters = agree_on_model(self.process_group, named, start.space.default)
+        hyperparameters = agree_on_model(process_group, named, start.space.default)
         if arguments.init_sync:
-            broadcast_module_state(module, self.process_group)
+            broadcast_module_state(module, process_group)
         process_groups = (
-            HierarchicalProcessGroups.build(self.topology, self.process_group)
+            HierarchicalProcessGroups.build(self.topology, process_group)
             if self.topology.hierarchical_possible
             else None
         )
@@ -177,12 +181,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._averager: ModelAverager | None = None
         if not self.algorithm.averages_gradients:
             params = [p for _, p in named]
-            self._averager = self.algorithm.model_averager(params, self.process_group)
+            self._averager = self.algorithm.model_averager(params, self._process_group())
             self.require_backward_grad_sync = False  # gradients stay local
 
     def _discover_topology(self) -> Topology:
-        topology = discover(self.process_group, self._comm_device)
-        spans_job = dist.get_world_size(self.process_group) == dist.get_world_size()
+        process_group = self._process_group()
+        topology = discover(process_group, self._comm_device)
+        spans_job = dist.get_world_size(process_group) == dist.get_world_size()
         if topology.hierarchical_possible and not spans_job:
             # Hierarchical groups are created by the whole job; a subgroup averages flat only.
             topology = topology.as_single_rank_nodes()
@@ -196,7 +201,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         algorithm: Algorithm | None = None,
     ) -> None:
         """The parts that hold process groups and hooks (rebuilt by ``__setstate__``)."""
-        process_group = self.process_group
+        process_group = self._process_group()
         exchange = (
             None
             if algorithm is None or not algorithm.averages_gradients
@@ -212,7 +217,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.module,
             exchange,
         )
-        self._buffer_broadcast = BufferBroadcast(self.module, self.process_group)
+        self._buffer_broadcast: BufferBroadcast | None = BufferBroadcast(self.module, process_group)
         self._sync: SyncPoints | None = None
         self._name_claim: object | None = None
 
@@ -220,7 +225,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self, settings: WorkerSettings, start: StartingGroup, hyperparameters: Hyperparameters
     ) -> None:
         assert self._reducer is not None
-        session = tuning_name(self.name, self.process_group)
+        process_group = self._process_group()
+        session = tuning_name(self.name, process_group)
         client = None
         if self.topology.rank == 0:
             assert settings.service_url is not None
@@ -233,7 +239,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 start.space,
             )
         self._sync = SyncPoints(
-            self.process_group, self._comm_device, client, hyperparameters, settings.sync_interval
+            process_group, self._comm_device, client, hyperparameters, settings.sync_interval
         )
         self._name_claim = NAMES_IN_USE.claim(session, self._reducer.params, self._sync.stop)
         self._reducer.on_iteration = self._sync.after_iteration
@@ -318,7 +324,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._sync is not None and not self._sync.stopped:
             logger.info("register_comm_hook: model %r stops tuning", self.name)
             self._sync.stop()
-        process_group = self.process_group
+        process_group = self._process_group()
         self._runtime().set_exchange(
             lambda buckets, _: CommHookExchange(process_group, state, hook, buckets)
         )
@@ -346,9 +352,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             if self._join_config.enable:
                 Join.notify_join_context(self)
                 averages, source = forward_agreement(
-                    self.process_group, self._comm_device, averages
+                    self._process_group(), self._comm_device, averages
                 )
-            if averages and self.broadcast_buffers:
+            if averages and self.broadcast_buffers and self._buffer_broadcast is not None:
                 self._buffer_broadcast(source)
             reducer.prepare_for_forward(self.require_backward_grad_sync)
         return self.module(*args, **kwargs)
@@ -381,7 +387,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     @property
     def join_process_group(self) -> dist.ProcessGroup:
         """The group join's collectives run over."""
-        return self.process_group
+        return self._process_group()
 
     # -- copies --------------------------------------------------------------------------------
 
@@ -403,11 +409,17 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._buffer_broadcast = self._averager = None
         self.algorithm = GradientAllReduce()
         if dist.is_available() and dist.is_initialized():
-            self.process_group = dist.group.WORLD
+            self.process_group = _default_process_group()
             saved: Hyperparameters = state["_saved_hyperparameters"]
             self._attach_runtime(
                 _trainable(self.module), Hyperparameters(saved.bucket_size_2p, False), None
             )
+
+    def _process_group(self) -> dist.ProcessGroup:
+        if self.process_group is None:
+            self._runtime()  # raises: a copy loaded where torch.distributed is not initialized
+        assert self.process_group is not None
+        return self.process_group
 
     def _runtime(self) -> Reducer:
         if self._reducer is None:
@@ -417,6 +429,13 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "call init_process_group first, or load and wrap its .module"
             )
         return self._reducer
+
+
+def _default_process_group() -> dist.ProcessGroup:
+    # torch types WORLD as optional: None before init_process_group, which _trainable checks.
+    world = dist.group.WORLD
+    assert world is not None
+    return world
 
 
 def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:

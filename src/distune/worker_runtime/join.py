@@ -53,19 +53,21 @@ class DistributedDataParallelJoinHook(JoinHook):
     def main_hook(self) -> None:
         """Join one iteration's collectives, in the order the training ranks run them."""
         model = self._model
-        averages, source = forward_agreement(model.process_group, model.join_device, None)
+        process_group = model.join_process_group
+        averages, source = forward_agreement(process_group, model.join_device, None)
         if not averages:
             return  # a forward under no_sync: nothing else is collective
-        if model.broadcast_buffers:
+        if model.broadcast_buffers and model._buffer_broadcast is not None:
             model._buffer_broadcast(source)
-        model._reducer.shadow_backward()
+        model._runtime().shadow_backward()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Copy the last joiner's parameters and buffers to every rank."""
         model = self._model
+        process_group = model.join_process_group
         _, source = forward_agreement(
-            model.process_group, model.join_device, True if is_last_joiner else None
+            process_group, model.join_device, True if is_last_joiner else None
         )
         tensors = [*model.module.parameters(), *model.module.buffers()]
-        src = dist.get_global_rank(model.process_group, source)
-        broadcast_tensors(tensors, model.process_group, src)
+        src = dist.get_global_rank(process_group, source)
+        broadcast_tensors(tensors, process_group, src)

@@ -320,7 +320,8 @@ class Reducer:
                     "backward (a parameter used in several reentrant checkpoints is not "
                     "supported: use torch.utils.checkpoint with use_reentrant=False)"
                 )
-            if self._params[index].grad.is_sparse:
+            grad = self._params[index].grad  # set: the hook runs after accumulation
+            if grad is not None and grad.is_sparse:
                 raise ReductionError(
                     f"parameter {self._names[index]!r} has a sparse gradient; distune averages "
                     "dense gradients only (use a dense embedding)"
