@@ -70,26 +70,49 @@ def _level2(argv: list[str], args: Any, options: AutotuneOptions) -> tuple[Any, 
     return args, replace(options, autotune_level=1 if chosen.config.stage < 2 else 0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run one job; returns the exit code (the workers', 2 for bad flags)."""
-    argv = sys.argv[1:] if argv is None else argv
+def _plan(argv: list[str]) -> tuple[Any, AutotuneOptions, LaunchPlan] | int:
+    """The job's arguments, options and plan, after level 2's trials when asked for; or the
+    exit code (2 for bad flags, or the trials' own)."""
     args, options = parse(argv)
-    if options.autotune_level == 2:
-        outcome = _level2(argv, args, options)
-        if isinstance(outcome, int):
-            return outcome
-        args, options = outcome
-    else:
-        try:
-            args = pinned_run(args, options, trial_pins(args))
-        except OptionError as error:
-            print(f"distune-run: error: {error}", file=sys.stderr)
-            return 2
     try:
-        plan = plan_launch(args, options)
+        if options.autotune_level == 2:
+            outcome = _level2(argv, args, options)
+            if isinstance(outcome, int):
+                return outcome
+            args, options = outcome
+        else:
+            args = pinned_run(args, options, trial_pins(args))
+        return args, options, plan_launch(args, options)
     except OptionError as error:
         print(f"distune-run: error: {error}", file=sys.stderr)
         return 2
+
+
+def _stop_service(
+    service: TuningServiceProcess, monitor: ProgressMonitor | None, options: AutotuneOptions
+) -> None:
+    """Stop the service and print the end-of-run summary."""
+    if monitor is not None:
+        monitor.stop()
+    status = service.status()
+    service.stop()
+    # A service that died was reported once already; the summary then shows the last state it
+    # answered.
+    gone = monitor is not None and monitor.service_gone
+    if status is None and monitor is not None and gone:
+        status = monitor.last_status
+    best_file = str(options.autotune_best_file) if options.autotune_best_file else None
+    for line in format_summary(status, service.log_file, best_file, service_gone=gone):
+        print(line, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one job; returns the exit code (the workers', 2 for bad flags)."""
+    argv = sys.argv[1:] if argv is None else argv
+    planned = _plan(argv)
+    if isinstance(planned, int):
+        return planned
+    args, options, plan = planned
     caveat = restart_caveat(args)
     if caveat is not None:
         print(f"distune-run: warning: {caveat}", file=sys.stderr)
@@ -123,15 +146,4 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_signals.cleanup_started()
         if service is not None:
-            if monitor is not None:
-                monitor.stop()
-            status = service.status()
-            service.stop()
-            # A service that died was reported once already; the summary then shows the last
-            # state it answered.
-            gone = monitor is not None and monitor.service_gone
-            if status is None and gone:
-                status = monitor.last_status  # type: ignore[union-attr]
-            best_file = str(options.autotune_best_file) if options.autotune_best_file else None
-            for line in format_summary(status, service.log_file, best_file, service_gone=gone):
-                print(line, flush=True)
+            _stop_service(service, monitor, options)

@@ -145,17 +145,9 @@ class TrialSearch:
             if (oom_at is None or m < oom_at)
             and self.fits(self.space.config(stage, checkpointing, m))
         ]
-        # Checkpointing costs recomputation and sharding costs communication: each pays only
-        # where it fits a larger micro-batch than the cheaper ways already reached.
-        cheaper = [
-            (s, c)
-            for s in self.space.stages()
-            for c in self.space.checkpointing()
-            if s <= stage and c <= checkpointing and (s, c) != family
-        ]
-        reached = [m for key in cheaper for m, r in self._tried(*key).items() if r.outcome == OK]
-        if fitting and not tried and max(fitting) <= max(reached, default=0):
-            self._skip(family, max(fitting), max(reached))
+        reached = self._reached_by_cheaper(family)
+        if fitting and not tried and max(fitting) <= reached:
+            self._skip(family, max(fitting), reached)
             return None
         ok = [m for m, r in tried.items() if r.outcome == OK]
         above = [m for m in fitting if m > max(ok, default=0) and m not in tried]
@@ -163,9 +155,34 @@ class TrialSearch:
             return self._propose(stage, checkpointing, max(above))
         if not ok:
             return None
-        # Step down from the largest ok micro-batch: only from a near-full one (or for
-        # latency), and on only while each step down was faster than the one above it.
-        chain = [max(ok)]
+        return self._step_down(family, fitting, tried, max(ok))
+
+    def _reached_by_cheaper(self, family: tuple[int, bool]) -> int:
+        """The largest micro-batch that ran ok in a cheaper family (0: none). Checkpointing
+        costs recomputation and sharding costs communication: each pays only where it fits a
+        larger micro-batch than the cheaper ways already reached."""
+        stage, checkpointing = family
+        cheaper = [
+            (s, c)
+            for s in self.space.stages()
+            for c in self.space.checkpointing()
+            if s <= stage and c <= checkpointing and (s, c) != family
+        ]
+        return max(
+            (m for key in cheaper for m, r in self._tried(*key).items() if r.outcome == OK),
+            default=0,
+        )
+
+    def _step_down(
+        self,
+        family: tuple[int, bool],
+        fitting: list[int],
+        tried: dict[int, TrialResult],
+        largest_ok: int,
+    ) -> Proposal | None:
+        """Step down from the largest ok micro-batch: only from a near-full one (or for
+        latency), and on only while each step down was faster than the one above it."""
+        chain = [largest_ok]
         while True:
             current = tried[chain[-1]]
             if len(chain) == 1:
@@ -178,7 +195,7 @@ class TrialSearch:
                 return None
             below = max(lower)
             if below not in tried:
-                return self._propose(stage, checkpointing, below)
+                return self._propose(family[0], family[1], below)
             if tried[below].outcome != OK:
                 return None
             chain.append(below)
