@@ -7,14 +7,11 @@ be identical (all switch at the same iteration), and so must the trained paramet
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -85,32 +82,16 @@ def test_unreachable_service_one_warning_and_training_goes_on(tmp_path):
 
 
 @pytest.fixture
-def service(tmp_path) -> Iterator[tuple[str, subprocess.Popen]]:
-    """A real tuning service process with short warm-up and sampling times."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "distune.tuning_service", "--host", "127.0.0.1", "--port", "0",
-         "--warmup-time", "0.3", "--sampling-confidence-time", "0.3", "--max-samples", "4"],
-        stdout=subprocess.PIPE,
-        stderr=open(tmp_path / "service.err", "wb"),  # noqa: SIM115 (the process keeps it)
+def service(start_service):
+    """A real tuning service process with short warm-up and sampling times, without a token."""
+    return start_service(
+        "--warmup-time", "0.3", "--sampling-confidence-time", "0.3", "--max-samples", "4",
+        token=None,
     )  # fmt: skip
-    try:
-        line = proc.stdout.readline()
-        assert line, f"the service printed nothing: {(tmp_path / 'service.err').read_text()}"
-        event = json.loads(line)
-        assert event["event"] == "listening"
-        yield event["url"], proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def test_a_real_service_tunes_the_job_in_lockstep(service, tmp_path):
-    url, _ = service
+    url = service.url
     results = run_job(__file__, "train", tmp_path / "job", env=tuning_env(url, 700), timeout=120)
     records = assert_lockstep(results)
     status = requests.get(f"{url}/api/v1/status", timeout=5).json()["models"]["model0"]
@@ -119,7 +100,7 @@ def test_a_real_service_tunes_the_job_in_lockstep(service, tmp_path):
     assert (tmp_path / "job" / "rank0.err").read_text().count(WARNING) == 0
 
 
-def kill_once_sampling(url: str, proc: subprocess.Popen, deadline: float) -> None:
+def kill_once_sampling(url: str, proc: subprocess.Popen[str], deadline: float) -> None:
     """SIGKILL the service as soon as it has finished a sample (the job is mid-tuning)."""
     while time.monotonic() < deadline:
         try:
@@ -133,7 +114,7 @@ def kill_once_sampling(url: str, proc: subprocess.Popen, deadline: float) -> Non
 
 
 def test_training_finishes_when_the_service_is_killed_mid_run(service, tmp_path):
-    url, proc = service
+    url, proc = service.url, service.process
     killer = threading.Thread(target=kill_once_sampling, args=(url, proc, time.monotonic() + 60))
     killer.start()
     try:
@@ -143,7 +124,8 @@ def test_training_finishes_when_the_service_is_killed_mid_run(service, tmp_path)
     finally:
         killer.join()
     assert proc.wait(timeout=5) == -signal.SIGKILL, "the job ended before the service was killed"
-    assert "registered" in (tmp_path / "service.err").read_text()
+    service.stop()  # collects what it printed
+    assert "registered" in service.output[1]
     records = assert_lockstep(results)
     assert records[-1][0] == 800
     assert (tmp_path / "job" / "rank0.err").read_text().count(WARNING) == 1
@@ -188,7 +170,7 @@ def uneven(out: Path) -> dict:
 
 
 def test_uneven_inputs_under_join_keep_tuning_in_lockstep(service, tmp_path):
-    url, _ = service
+    url = service.url
     results = run_job(__file__, "uneven", tmp_path / "job", env=tuning_env(url, 80))
     # The joined rank 0 shadowed rank 1's last 40 iterations, sync points included.
     assert results[0] == results[1]
@@ -196,7 +178,7 @@ def test_uneven_inputs_under_join_keep_tuning_in_lockstep(service, tmp_path):
 
 
 def test_each_data_parallel_subgroup_has_its_own_tuning_session(service, tmp_path):
-    url, _ = service
+    url = service.url
     run_job(__file__, "subgroups", tmp_path / "job", env=tuning_env(url, 200))
     models = requests.get(f"{url}/api/v1/status", timeout=5).json()["models"]
     # One session per subgroup, named after its first global rank (docs/worker_runtime.md).
@@ -204,7 +186,7 @@ def test_each_data_parallel_subgroup_has_its_own_tuning_session(service, tmp_pat
 
 
 def test_a_name_the_service_refuses_is_shown_and_training_goes_on(service, tmp_path):
-    url, _ = service
+    url = service.url
     other = {"world_size": 3, "nnodes": 1, "local_world_size": 3, "gradient_bytes": 4096}
     answer = requests.post(f"{url}/api/v1/models/model0/register", json=other, timeout=5)
     assert answer.ok
