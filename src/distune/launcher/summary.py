@@ -48,7 +48,7 @@ def format_summary(
             lines.append(f"  best so far:   {chosen}, {score} (the job ended on {current})")
         lines.append(
             f"  default group: {format_rate(model.get('default_score'), 'not measured')}; "
-            f"gain {format_gain(best.get('gain_vs_default'), 'unknown')}"
+            f"gain {_gain(best)}"
         )
         if model.get("verdict"):
             lines.append(f"  {model['verdict']}")
@@ -59,3 +59,14 @@ def format_summary(
     if best_file:
         lines.append(f"distune: best-file: {best_file}")
     return lines
+
+
+def _gain(best: dict[str, Any]) -> str:
+    """The gain over the default with its interval's half-width where the service gave one,
+    and whether that interval leaves zero out: a gain within the noise is not a gain."""
+    gain = format_gain(best.get("gain_vs_default"), "unknown")
+    margin = best.get("gain_margin")
+    if not isinstance(margin, (int, float)) or isinstance(margin, bool):
+        return gain
+    verdict = "measurably faster" if best.get("measurably_faster") else "within the noise"
+    return f"{gain} ± {margin:.1%} ({verdict})"

@@ -93,3 +93,15 @@ def test_after_the_service_died_the_summary_shows_the_last_state_without_repeati
     assert format_summary(None, "/tmp/x.log", None, service_gone=True) == [
         "distune: autotune log: /tmp/x.log"
     ]
+
+
+def test_the_gain_carries_its_interval_and_says_when_it_is_within_the_noise():
+    def summary(gain: float, margin: float, faster: bool) -> str:
+        best = {"group": GROUP, "score": 10.1, "gain_vs_default": gain}
+        best |= {"gain_margin": margin, "measurably_faster": faster}
+        model = {"state": "sampling", "samples": 15, "max_samples": 20, "current": GROUP}
+        model |= {"best": best, "default_score": 10.0}
+        return "\n".join(format_summary({"models": {"m": model}}, None, None))
+
+    assert "gain +1.0% ± 2.3% (within the noise)" in summary(0.010, 0.023, False)
+    assert "gain +8.0% ± 2.0% (measurably faster)" in summary(0.080, 0.020, True)
