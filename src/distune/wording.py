@@ -50,7 +50,11 @@ def format_rate(value: Any, missing: str = "-") -> str:
     return missing if rate is None else f"{rate:.4g} {RATE_UNIT}"
 
 
-def format_gain(value: Any, missing: str = "-") -> str:
-    """A gain over the default group, as a signed percentage, e.g. ``+4.2%``."""
+def format_gain(value: Any, missing: str = "-", margin: Any = None) -> str:
+    """A gain over the default group, as a signed percentage, e.g. ``+4.2%``; with a finite
+    ``margin`` (its interval's half-width), e.g. ``+4.2% ± 1.5%``."""
     gain = _finite(value)
-    return missing if gain is None else f"{gain:+.1%}"
+    if gain is None:
+        return missing
+    half_width = _finite(margin)
+    return f"{gain:+.1%}" if half_width is None else f"{gain:+.1%} ± {half_width:.1%}"

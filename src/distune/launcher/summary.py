@@ -64,9 +64,8 @@ def format_summary(
 def _gain(best: dict[str, Any]) -> str:
     """The gain over the default with its interval's half-width where the service gave one,
     and whether that interval leaves zero out: a gain within the noise is not a gain."""
-    gain = format_gain(best.get("gain_vs_default"), "unknown")
-    margin = best.get("gain_margin")
-    if not isinstance(margin, (int, float)) or isinstance(margin, bool):
+    gain = format_gain(best.get("gain_vs_default"), "unknown", best.get("gain_margin"))
+    if best.get("gain_margin") is None:
         return gain
     verdict = "measurably faster" if best.get("measurably_faster") else "within the noise"
-    return f"{gain} ± {margin:.1%} ({verdict})"
+    return f"{gain} ({verdict})"
