@@ -36,12 +36,18 @@ from distune.tuning_service.trials.trial_config import (
     TrialConfigError,
     TrialPins,
 )
-from distune.tuning_service.trials.trial_result import OK, THROUGHPUT, TrialResult
+from distune.tuning_service.trials.trial_result import CRASH, OK, OOM, THROUGHPUT, TrialResult
 from distune.tuning_service.trials.trial_search import Proposal, TrialSearch
 from distune.tuning_service.trials.trial_space import TrialSpace
 
 DEFAULT_MAX_TRIALS = 20
 DEFAULT_TRIAL_TIMEOUT = 120.0
+#: The profile result's ``api`` of a script measured through its DistributedDataParallel.
+WRAPPER_API = "wrapper"
+_TAKING_PART = (
+    " (a script takes part in level 2 by calling distune.prepare, or by wrapping its model in "
+    "distune.DistributedDataParallel with its batch flags named in the config's arg_mappings)"
+)
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,35 @@ def rewrite_script_args(
                 kept.append(arg)
         rewritten = [*kept, flag, str(value)]
     return rewritten
+
+
+def space_pins(pins: TrialPins, profile: TrialConfig, api: str | None) -> TrialPins:
+    """What the search may change: ``pins`` for a script that calls ``distune.prepare``; for
+    one measured through its wrapper only (``api`` ``wrapper``), DDP without checkpointing and
+    only the batch knobs its ``arg_mappings`` reach (the others stay the script's own)."""
+    if api != WRAPPER_API:
+        return pins
+    mapped = dict(pins.arg_mappings)
+    if not mapped:
+        raise TrialConfigError(
+            "the script never calls distune.prepare and the config has no arg_mappings: level 2 "
+            "can change nothing in it. Call distune.prepare (micro-batch, accumulation, ZeRO "
+            "stages, checkpointing), or map its batch flags, e.g. arg_mappings: "
+            f"{{{MICRO_BATCH}: --batch_size, {ACCUMULATION}: --grad_accum}}"
+        )
+    if pins.stage not in (None, 0) or pins.checkpointing:
+        raise TrialConfigError(
+            "the config pins a ZeRO stage or activation checkpointing, which need the script "
+            "to call distune.prepare; this one only wraps its model in "
+            "distune.DistributedDataParallel"
+        )
+    return replace(
+        pins,
+        stage=0,
+        checkpointing=False,
+        micro_batch=pins.micro_batch if MICRO_BATCH in mapped else profile.micro_batch,
+        accumulation=pins.accumulation if ACCUMULATION in mapped else profile.accumulation,
+    )
 
 
 def settings_for(config: TrialConfig | None, pins: TrialPins, cap: int | None) -> TrialSettings:
@@ -260,22 +295,29 @@ class Level2:
             self._say(f"pinned (never changed): {self.pins.pinned()}")
         profile = self._trial(0, None, "profile", None)
         if profile.outcome != OK:
+            hint = "" if profile.outcome in (OOM, CRASH) else _TAKING_PART
             self._say(
                 f"the profile trial (the script's own configuration) ended {profile.outcome}: "
-                "nothing to tune from; see its log"
+                f"nothing to tune from; see its log{hint}"
             )
             self.report.finish(None, [], time.monotonic() - self.started)
             return None
+        assert profile.facts is not None
         try:
             space = TrialSpace(
-                self.pins,
+                space_pins(self.pins, profile.config, profile.facts.get("api")),
                 self.world_size,
                 profile.config,
                 self.options.autotune_allow_batch_change,
             )
         except TrialConfigError as error:
             raise OptionError(f"--autotune_level 2: {error}") from None
-        assert profile.facts is not None
+        if profile.facts.get("api") == WRAPPER_API:
+            self._say(
+                "the script is measured through distune.DistributedDataParallel (it never calls "
+                "distune.prepare): micro-batch x accumulation through arg_mappings, on DDP "
+                "without checkpointing"
+            )
         search = TrialSearch(
             space,
             MemoryModel(model_facts(profile.facts, profile.config)),

@@ -21,9 +21,14 @@ import torch.distributed as dist
 from torch import nn
 
 from distune.trial_settings import TrialSettings
-from distune.worker_runtime.memory_cap import CudaMemory, LiveTensorBytes, MemoryMeter
+from distune.worker_runtime.memory_cap import MemoryMeter, start_meter
 from distune.worker_runtime.strategy import apply, repeated_blocks
-from distune.worker_runtime.trial_measurement import TrialMeasurement, install_failure_report
+from distune.worker_runtime.trial_measurement import (
+    PREPARE,
+    TrialMeasurement,
+    install_failure_report,
+    preparing,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,16 +56,6 @@ class Prepared:
                 yield
         else:
             yield
-
-
-def _meter(settings: TrialSettings, device: torch.device, tensors: list[torch.Tensor]) -> Any:
-    if device.type == "cuda":
-        return CudaMemory(device, settings.device_memory)
-    mode = LiveTensorBytes(settings.device_memory)
-    # Entered for the rest of the process: every step of the job is counted (and capped).
-    mode.__enter__()
-    mode.track(tensors)
-    return mode
 
 
 def _bytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -135,8 +130,9 @@ def prepare(
     meter = None
     if settings.is_trial or settings.device_memory is not None:
         tensors = [*model.parameters(), *model.buffers()]
-        meter = _meter(settings, device, tensors)
-    applied = apply(model, optimizer, stage, checkpointing, device, name, block_classes)
+        meter = start_meter(device, settings.device_memory, tensors)
+    with preparing():  # the DDP made here is measured by prepare, not by itself
+        applied = apply(model, optimizer, stage, checkpointing, device, name, block_classes)
     prepared = Prepared(
         model=applied.model,
         optimizer=applied.optimizer,
@@ -160,6 +156,7 @@ def prepare(
 
         def describe() -> dict[str, Any]:
             return {
+                "api": PREPARE,
                 "config": {
                     "micro_batch": micro,
                     "accumulation": accumulation,
