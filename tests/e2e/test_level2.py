@@ -139,6 +139,7 @@ def test_a_script_without_prepare_is_tuned_through_arg_mappings_only(launch, tmp
         "train_batch_size": 16,
         "zero_optimization": {"stage": 0},
         "activation_checkpointing": False,
+        "bf16": {"enabled": False},
     }
     assert profile["outcome"] == search["outcome"] == "ok"
     # Only DDP without checkpointing; the global batch held by the largest micro-batch that
@@ -149,5 +150,6 @@ def test_a_script_without_prepare_is_tuned_through_arg_mappings_only(launch, tmp
         "train_batch_size": 16,
         "zero_optimization": {"stage": 0},
         "activation_checkpointing": False,
+        "bf16": {"enabled": False},
     }
     assert run.leftovers() == []

@@ -88,8 +88,9 @@ def rewrite_script_args(
 
 def space_pins(pins: TrialPins, profile: TrialConfig, api: str | None) -> TrialPins:
     """What the search may change: ``pins`` for a script that calls ``distune.prepare``; for
-    one measured through its wrapper only (``api`` ``wrapper``), DDP without checkpointing and
-    only the batch knobs its ``arg_mappings`` reach (the others stay the script's own)."""
+    one measured through its wrapper only (``api`` ``wrapper``), DDP in full precision without
+    checkpointing and only the batch knobs its ``arg_mappings`` reach (the others stay the
+    script's own)."""
     if api != WRAPPER_API:
         return pins
     mapped = dict(pins.arg_mappings)
@@ -100,16 +101,17 @@ def space_pins(pins: TrialPins, profile: TrialConfig, api: str | None) -> TrialP
             "stages, checkpointing), or map its batch flags, e.g. arg_mappings: "
             f"{{{MICRO_BATCH}: --batch_size, {ACCUMULATION}: --grad_accum}}"
         )
-    if pins.stage not in (None, 0) or pins.checkpointing:
+    if pins.stage not in (None, 0) or pins.checkpointing or pins.bf16:
         raise TrialConfigError(
-            "the config pins a ZeRO stage or activation checkpointing, which need the script "
-            "to call distune.prepare; this one only wraps its model in "
+            "the config pins a ZeRO stage, activation checkpointing or bf16, which need the "
+            "script to call distune.prepare; this one only wraps its model in "
             "distune.DistributedDataParallel"
         )
     return replace(
         pins,
         stage=0,
         checkpointing=False,
+        bf16=False,
         micro_batch=pins.micro_batch if MICRO_BATCH in mapped else profile.micro_batch,
         accumulation=pins.accumulation if ACCUMULATION in mapped else profile.accumulation,
     )
@@ -119,10 +121,15 @@ def settings_for(config: TrialConfig | None, pins: TrialPins, cap: int | None) -
     """The ranks' settings: a configuration's knobs, or (``None``) the pinned ones only."""
     if config is None:
         return TrialSettings(
-            pins.micro_batch, pins.accumulation, pins.stage, pins.checkpointing, cap
+            pins.micro_batch, pins.accumulation, pins.stage, pins.checkpointing, cap, bf16=pins.bf16
         )
     return TrialSettings(
-        config.micro_batch, config.accumulation, config.stage, config.checkpointing, cap
+        config.micro_batch,
+        config.accumulation,
+        config.stage,
+        config.checkpointing,
+        cap,
+        bf16=config.bf16,
     )
 
 
@@ -260,6 +267,7 @@ class Level2:
                     self.pins.accumulation or 1,
                     self.pins.stage or 0,
                     bool(self.pins.checkpointing),
+                    bool(self.pins.bf16),
                 )
             else:
                 config = TrialConfig(
@@ -267,6 +275,7 @@ class Level2:
                     reported["accumulation"],
                     reported["stage"],
                     reported["checkpointing"],
+                    reported.get("bf16", False),
                 )
         result = TrialResult(
             trial=index,

@@ -46,6 +46,8 @@ class Prepared:
     strategy: str
     activation_checkpointing: bool
     memory: MemoryMeter | None
+    #: bf16 mixed precision (only where the config allows it: it changes the numerics).
+    bf16: bool = False
 
     @contextlib.contextmanager
     def accumulate(self, micro_step: int) -> Iterator[None]:
@@ -124,6 +126,7 @@ def prepare(
     accumulation = settings.accumulation or gradient_accumulation_steps
     stage = settings.stage if settings.stage is not None else 0
     checkpointing = bool(settings.checkpointing)
+    bf16 = bool(settings.bf16)
     block_classes = tuple(blocks) if blocks is not None else repeated_blocks(model)
     parameter_bytes, gradient_bytes, largest_block = _facts(model, block_classes)
 
@@ -132,7 +135,7 @@ def prepare(
         tensors = [*model.parameters(), *model.buffers()]
         meter = start_meter(device, settings.device_memory, tensors)
     with preparing():  # the DDP made here is measured by prepare, not by itself
-        applied = apply(model, optimizer, stage, checkpointing, device, name, block_classes)
+        applied = apply(model, optimizer, stage, checkpointing, device, name, block_classes, bf16)
     prepared = Prepared(
         model=applied.model,
         optimizer=applied.optimizer,
@@ -141,14 +144,16 @@ def prepare(
         strategy=_STRATEGIES[stage],
         activation_checkpointing=checkpointing,
         memory=meter,
+        bf16=bf16,
     )
     if rank == 0:
         logger.info(
-            "distune.prepare: %s, micro-batch %d x %d accumulation steps%s",
+            "distune.prepare: %s, micro-batch %d x %d accumulation steps%s%s",
             prepared.strategy,
             micro,
             accumulation,
             ", activation checkpointing" if checkpointing else "",
+            ", bf16 mixed precision" if bf16 else "",
         )
     if settings.trial_dir is not None:
         assert meter is not None
@@ -162,6 +167,7 @@ def prepare(
                     "accumulation": accumulation,
                     "stage": stage,
                     "checkpointing": checkpointing,
+                    "bf16": bf16,
                 },
                 "world_size": world,
                 "parameter_bytes": parameter_bytes,
