@@ -111,8 +111,13 @@ def publish_trial() -> Response:
 
 @blueprint.get("/trials/current")
 def current_trial() -> Response:
-    """Level 2, every node: the latest trial, and the finish or stop once there is one."""
-    return jsonify(current_service().trials.current())
+    """Level 2, every node: the latest trial, and the finish or stop once there is one;
+    ``?node_rank=i`` notes that node i has seen the end."""
+    node_rank = request.args.get("node_rank")
+    if node_rank is not None and not node_rank.isdigit():
+        raise RequestError("node_rank", f"must be a node rank (0, 1, ...), got {node_rank[:20]!r}")
+    ranked = None if node_rank is None else int(node_rank[:9])
+    return jsonify(current_service().trials.current(ranked))
 
 
 @blueprint.post("/trials/finish")

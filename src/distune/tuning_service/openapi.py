@@ -383,12 +383,17 @@ _TRIAL_SCHEMAS: dict[str, Any] = {
     },
     "TrialsCurrent": {
         "type": "object",
-        "required": ["state", "trial", "finish", "stop"],
+        "required": ["state", "trial", "finish", "stop", "acknowledged"],
         "properties": {
             "state": {"type": "string", "enum": list(BOARD_STATES)},
             "trial": {"oneOf": [_ref("Trial"), {"type": "null"}]},
             "finish": _NULLABLE_FINISH,
             "stop": _NULLABLE_STOP,
+            "acknowledged": {
+                "type": "array",
+                "items": {"type": "integer"},
+                "description": "nodes that have asked (?node_rank=) since the finish or stop",
+            },
         },
     },
     "Trials": {
@@ -448,8 +453,17 @@ def _trial_paths(body_of: Any) -> dict[str, Any]:
             "get": {
                 "summary": "level 2, every node: the latest trial, and the finish or stop",
                 "operationId": "current_trial",
+                "parameters": [
+                    {
+                        "name": "node_rank",
+                        "in": "query",
+                        "required": False,
+                        "description": "the asking node: noted as having seen the end",
+                        "schema": {"type": "integer", "minimum": 0, "maximum": MAX_NODES - 1},
+                    }
+                ],
                 "responses": {"200": _json(_ref("TrialsCurrent"), "what to run now")}
-                | _errors(401),
+                | _errors(400, 401),
             }
         },
         f"{trials}/finish": {

@@ -24,6 +24,7 @@ from typing import Any
 
 from distune.errors import DistuneError
 from distune.tuning_service.trial_messages import (
+    MAX_NODES,
     NodeReport,
     TrialRecord,
     TrialsFinish,
@@ -142,6 +143,8 @@ class TrialBoard:
         self._metric = THROUGHPUT
         self._finish: TrialsFinish | None = None
         self._stop: TrialsStop | None = None
+        # Nodes that have seen the finish or the stop: node 0 keeps its service until all have.
+        self._acknowledged: set[int] = set()
 
     def _state(self) -> str:
         if self._stop is not None:
@@ -240,16 +243,23 @@ class TrialBoard:
         with self._lock:
             return self._get(number).view()
 
-    def current(self) -> dict[str, Any]:
+    def current(self, node_rank: int | None = None) -> dict[str, Any]:
         """What a node's launcher needs to know now: the board's state, the latest trial, and
-        the finish or stop once there is one."""
+        the finish or stop once there is one. Asked by ``node_rank`` once finished or stopped,
+        it notes that node has seen the end (``acknowledged``)."""
         with self._lock:
+            state = self._state()
+            if node_rank is not None:
+                check_node_rank(node_rank, self._nnodes or MAX_NODES)
+                if state in (FINISHED, STOPPED):
+                    self._acknowledged.add(node_rank)
             latest = self._latest()
             return {
-                "state": self._state(),
+                "state": state,
                 "trial": None if latest is None else latest.view(),
                 "finish": None if self._finish is None else self._finish.to_json(),
                 "stop": None if self._stop is None else asdict(self._stop),
+                "acknowledged": sorted(self._acknowledged),
             }
 
     def finish(self, finish: TrialsFinish) -> dict[str, Any]:
