@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from distune.launcher.level2 import command_without_tuning
-from distune.launcher.trial_args import rewrite_script_args
 from distune.launcher.options import parse, trial_pins
+from distune.launcher.trial_args import rewrite_script_args
 from distune.launcher.trial_runner import classify
 from distune.tuning_service.trials.trial_config import TrialPins
 
