@@ -343,8 +343,11 @@ class Level2:
         others = set(range(1, self.nnodes))
         deadline = time.monotonic() + timeout
         while others and time.monotonic() < deadline:
-            if others <= set(self.client.current()["acknowledged"]):
-                return
+            try:
+                if others <= set(self.client.current()["acknowledged"]):
+                    return
+            except ServiceError:
+                return  # nobody can see anything more
             time.sleep(_POLL)
 
     def _search(self) -> TrialSearch | None:

@@ -507,7 +507,7 @@ def _trial_paths(body_of: Any) -> dict[str, Any]:
                 "parameters": [_TRIAL_NUMBER],
                 "requestBody": body_of("TrialRecord"),
                 "responses": {"200": _json(_ref("Trial"), "the recorded trial")}
-                | _errors(400, 401, 409, 413),
+                | _errors(400, 401, 404, 409, 413),
             }
         },
     }

@@ -291,6 +291,8 @@ class TrialBoard:
                 if self._nnodes is not None:
                     check_node_rank(stop.node_rank, self._nnodes)
                 self._stop = stop
+            if self._stop is not None:
+                self._acknowledged.add(stop.node_rank)  # the stopping node knows
             return self._overview()
 
     def overview(self) -> dict[str, Any]:

@@ -134,7 +134,8 @@ def test_a_stop_from_any_node_reaches_every_node(client):
     assert overview["state"] == "stopped"
     assert overview["stop"] == {"node_rank": 1, "reason": "SIGINT"}
     current = call(client, "GET", "/current?node_rank=0")
-    assert current["stop"]["reason"] == "SIGINT" and current["acknowledged"] == [0]
+    # Node 1 stopped the trials: it knows; node 0 has now seen it.
+    assert current["stop"]["reason"] == "SIGINT" and current["acknowledged"] == [0, 1]
     # The first stop's reason is kept; nothing new may start.
     call(client, "POST", "/stop", {"node_rank": 0, "reason": "SIGTERM"})
     assert call(client, "GET", "/current")["stop"]["reason"] == "SIGINT"
