@@ -188,6 +188,8 @@ class Level2:
         self.metric = options.autotune_metric or THROUGHPUT
         self.max_trials = options.autotune_max_trials or DEFAULT_MAX_TRIALS
         self.trial_timeout = options.autotune_trial_timeout or DEFAULT_TRIAL_TIMEOUT
+        #: Seconds node 0 waits, once its ranks ended, for the other nodes' reports.
+        self.late_after = self.trial_timeout + LATE_REPORT_GRACE
         self.results_dir = _results_dir(options)
         self.report = TrialReport(self.results_dir, self.metric)
         runner = TrialRunner(args, self.trial_timeout, self.results_dir / "trials")
@@ -261,7 +263,7 @@ class Level2:
             throughput=measured.get("throughput"),
             throughput_spread=measured.get("throughput_spread"),
             step_seconds=measured.get("step_seconds"),
-            peak_memory_bytes=measured.get("peak_memory_bytes", combined.get("peak_memory_bytes")),
+            peak_memory_bytes=measured.get("peak_memory_bytes"),
             predicted_memory_bytes=predicted,
             duration=run.duration,
             log_path=str(run.log_path),
@@ -292,7 +294,7 @@ class Level2:
     def _combined(self, index: int) -> dict[str, Any]:
         """The trial's outcome over every node, once each reported; a node that does not
         report within the trial time-out after this node's ranks ended counts as ``timeout``."""
-        deadline = time.monotonic() + self.trial_timeout + LATE_REPORT_GRACE
+        deadline = time.monotonic() + self.late_after
         while True:
             view = self.client.trial(index)
             if view["combined"] is not None:
@@ -301,13 +303,16 @@ class Level2:
                 break
             time.sleep(_POLL)
         missing = ", ".join(str(node) for node in view["missing"])
-        late = {
-            "outcome": TIMEOUT,
-            "error": f"node {missing} did not report within {self.trial_timeout:g} s",
-        }
-        reports = [r for r in view["nodes"].values() if not r["stopped"]] or [late]
-        worst = min([*reports, late], key=lambda r: OUTCOME_PRIORITY.index(r["outcome"]))
-        return {"outcome": worst["outcome"], "error": worst["error"], "measurements": None}
+        causes = [
+            (TIMEOUT, f"node {missing}: no report {self.late_after:g} s after node 0's ranks ended")
+        ]
+        causes += [
+            (r["outcome"], f"node {node}: {r['error']}")
+            for node, r in view["nodes"].items()
+            if not r["stopped"] and r["outcome"] != OK
+        ]
+        outcome, error = min(causes, key=lambda cause: OUTCOME_PRIORITY.index(cause[0]))
+        return {"outcome": outcome, "error": error, "measurements": None}
 
     def tune(self) -> TrialSearch | None:
         """Run the trials; the search (with its results), or None if the profile failed.

@@ -3,11 +3,33 @@ node 0 (which has no rank 0 result) tells that its ranks ended well."""
 
 from __future__ import annotations
 
-import pytest
+import threading
 
+import pytest
+from waitress.server import create_server
+
+from distune.launcher.level2 import Level2
+from distune.launcher.options import parse
+from distune.launcher.trial_client import TrialClient
 from distune.launcher.trial_node import settings_from_knobs, stop_reason
 from distune.launcher.trial_runner import classify
+from distune.tuning_service.app import create_app
+from distune.tuning_service.service import TuningService
 from distune.tuning_service.trial_messages import TrialKnobs
+from distune.tuning_service.trials.trial_config import TrialPins
+
+TOKEN = "node-token"
+
+
+@pytest.fixture
+def service_url():
+    """A real service app (a fresh trial board) on a free port, served in a thread."""
+    server = create_server(create_app(TuningService(), token=TOKEN), host="127.0.0.1", port=0)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.effective_port}"
+    server.close()
+    thread.join(timeout=10)
 
 
 def current(state="tuning", trial=3, trial_state="running", nodes=None, stop=None):
@@ -63,3 +85,31 @@ def test_published_knobs_become_the_ranks_settings_with_this_nodes_cap():
     settings = settings_from_knobs(knobs, 2**26)
     assert (settings.micro_batch, settings.accumulation, settings.stage) == (4, None, 3)
     assert settings.checkpointing is True and settings.device_memory == 2**26
+
+
+@pytest.mark.parametrize(
+    ("nnodes", "reports", "outcome", "error"),
+    [
+        # Node 1 never reports: the trial is a timeout, and the search goes on.
+        (2, {0: "ok"}, "timeout", "node 1: no report 0.5 s after node 0's ranks ended"),
+        # A timeout explains more than a crash; an oom more than a missing node.
+        (3, {0: "ok", 1: "crash"}, "timeout", "node 2: no report"),
+        (3, {0: "ok", 2: "oom"}, "oom", "node 2: failed as oom"),
+    ],
+)
+def test_node_0_gives_up_on_a_node_that_never_reports(
+    service_url, tmp_path, nnodes, reports, outcome, error
+):
+    client = TrialClient(service_url, TOKEN)
+    argv = ["--autotune_level", "2", "--autotune_results_dir", str(tmp_path / "r"), "t.py"]
+    args, options = parse(argv)
+    level2 = Level2(args, options, TrialPins(), argv, client)
+    level2.late_after = 0.5
+    client.publish({"trial": 0, "nnodes": nnodes, "purpose": "search", "knobs": {},
+                    "master_port": 29600})  # fmt: skip
+    for node_rank, reported in reports.items():
+        report = {"outcome": reported, "duration": 1.0, "error": f"failed as {reported}"}
+        client.report(0, node_rank, report)
+    combined = level2._combined(0)
+    assert combined["outcome"] == outcome
+    assert combined["error"].startswith(error)
