@@ -55,6 +55,8 @@ DEFAULT_TRIAL_TIMEOUT = 120.0
 #: watchdogs fire within the time-out, and stopping takes a few seconds more).
 LATE_REPORT_GRACE = 15.0
 _POLL = 0.2
+#: Seconds node 0 waits for the other nodes' reports before it says so.
+WAITING_NOTICE = 5.0
 #: Seconds node 0 keeps its service for the other nodes to see the end of the trials (they
 #: ask twice a second or more; one still in a trial stops it first) or a stop.
 FINISH_ACK_WAIT = 30.0
@@ -294,13 +296,21 @@ class Level2:
     def _combined(self, index: int) -> dict[str, Any]:
         """The trial's outcome over every node, once each reported; a node that does not
         report within the trial time-out after this node's ranks ended counts as ``timeout``."""
-        deadline = time.monotonic() + self.late_after
+        start = time.monotonic()
+        told = False
         while True:
             view = self.client.trial(index)
             if view["combined"] is not None:
                 return dict(view["combined"])
-            if time.monotonic() > deadline:
+            waited = time.monotonic() - start
+            if waited > self.late_after:
                 break
+            if not told and waited > WAITING_NOTICE:
+                missing = ", ".join(str(node) for node in view["missing"])
+                self._say(
+                    f"trial {index}: waiting for node {missing} (at most {self.late_after:g} s)"
+                )
+                told = True
             time.sleep(_POLL)
         missing = ", ".join(str(node) for node in view["missing"])
         causes = [

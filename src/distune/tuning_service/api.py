@@ -113,6 +113,11 @@ def publish_trial() -> Response:
 def current_trial() -> Response:
     """Level 2, every node: the latest trial, and the finish or stop once there is one;
     ``?node_rank=i`` notes that node i has seen the end."""
+    unknown = sorted(set(request.args) - {"node_rank"})
+    if unknown:
+        raise RequestError(
+            repr(unknown[0]), "unknown query parameter; the one allowed is node_rank"
+        )
     node_rank = request.args.get("node_rank")
     if node_rank is not None and not node_rank.isdigit():
         raise RequestError("node_rank", f"must be a node rank (0, 1, ...), got {node_rank[:20]!r}")
