@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -36,6 +37,8 @@ from distune.worker_settings import SERVICE_TOKEN, SERVICE_URL, WorkerSettings
 #: Exit statuses of a rank the kernel's out-of-memory killer ended (SIGKILL).
 OOM_EXIT_CODES = (137, -9)
 _POLL = 0.2
+#: A trial's collectives time out after this many trial time-outs (a backstop to the watchdog).
+COLLECTIVE_TIMEOUT_FACTOR = 2.0
 #: Seconds between two questions to the service whether the trial goes on.
 _ABORT_POLL = 0.5
 _STOP_GRACE = 5.0
@@ -181,7 +184,12 @@ class TrialRunner:
         trial_dir.mkdir(parents=True)
         spec_path = trial_dir / "torchrun.json"
         spec_path.write_text(json.dumps(self._spec(script_args, master_port)), encoding="utf-8")
-        settings = TrialSettings(**{**vars(settings), "trial_dir": trial_dir})
+        # The ranks' own collective time-out backs up the watchdog (twice its time-out, so the
+        # watchdog's `timeout` comes first): a rank whose launcher is gone still ends.
+        backstop = math.ceil(COLLECTIVE_TIMEOUT_FACTOR * self.trial_timeout)
+        settings = TrialSettings(
+            **{**vars(settings), "trial_dir": trial_dir, "collective_timeout": backstop}
+        )
         env = {k: v for k, v in os.environ.items() if k not in (SERVICE_URL, SERVICE_TOKEN)}
         env.update(WorkerSettings(autotune_level=0).to_env())  # no online tuning in a trial
         env.update(settings.to_env())
