@@ -260,6 +260,12 @@ class TuningConfig:
     confirm_margin: float = setting(
         0.03, "runners-up within this fraction of the best are confirmed", _number(0.0, 1.0)
     )
+    close_call_time: float = setting(
+        3.0,
+        "a sample re-measuring the best group or the default because the best's gain is not "
+        "yet measurable runs this many times sampling_confidence_time",
+        _number(1.0, 100.0),
+    )
     max_models: int = setting(
         256,
         "how many models the service tunes at most",

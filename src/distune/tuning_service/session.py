@@ -231,6 +231,10 @@ class _Measurements(_Windows):
     #: Each sample's log score and window count: how far samples of one group disagree
     #: beyond their windows' noise (the job's conditions drift between samples).
     sample_means: list[tuple[float, int]] = field(default_factory=list)
+    #: The windows of the samples after the first. A group is confirmed because its first
+    #: sample scored high, which is partly luck (the best of many noisy scores); its gain is
+    #: claimed from these windows alone, which that selection did not see.
+    confirming: list[Window] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -243,6 +247,9 @@ class _Sample(_Windows):
     #: The window right after the switch to this sample (or the registration): not scored,
     #: but it tells what a switch costs once the group's score is known.
     switch: Window | None = None
+    #: The sample re-measures the best group or the default in a close call, and runs
+    #: ``close_call_time`` times as long.
+    close_call: bool = False
 
 
 #: A window's noise (standard deviation of its log rate) assumed before any group has two.
@@ -415,7 +422,11 @@ class TuningSession:
         else:
             hp, phase = choice
             self._group = Group(self._group.id + 1, hp)
-            self._sample = _Sample(group=self._group, phase=phase)
+            self._sample = _Sample(
+                group=self._group,
+                phase=phase,
+                close_call=phase is Phase.CONFIRM and self._close_call(hp),
+            )
             self._discard_next = True
         self.view = self._make_view()
         return records
@@ -488,10 +499,14 @@ class TuningSession:
     def _sample_sigma(self, window_sigma: float) -> float:
         """The standard deviation of a sample's mean log rate beyond its windows' noise:
         from groups measured in several samples, the spread of their sample means less what
-        the window noise explains (0 until a group has two samples)."""
+        the window noise explains (0 until a group has two such samples). A group other than
+        the default was measured again because its first sample scored high, partly by luck:
+        that sample would inflate the spread, so only the later ones count."""
         excess, freedom = 0.0, 0
-        for measured in self._measurements.values():
+        for hp, measured in self._measurements.items():
             means = measured.sample_means
+            if hp != self.space.default:
+                means = means[1:]
             if len(means) >= 2:
                 centre = statistics.fmean(m for m, _ in means)
                 for mean, count in means:
@@ -522,11 +537,11 @@ class TuningSession:
         return math.expm1(delta), (math.expm1(delta - half), math.expm1(delta + half))
 
     def _sample_complete(self) -> bool:
-        sample = self._sample
-        return (
-            sample.seconds >= self.config.sampling_confidence_time
-            and sample.reports >= self.config.min_windows
-        )
+        sample, config = self._sample, self.config
+        length = config.sampling_confidence_time
+        if sample.close_call:
+            length *= config.close_call_time
+        return sample.seconds >= length and sample.reports >= config.min_windows
 
     def _set_stalls_aside(self) -> None:
         """Drop the current sample's stalled windows (see :func:`split_stalls`), compared with
@@ -557,6 +572,10 @@ class TuningSession:
         score = sample.score
         measured = self._measurements.setdefault(hp, _Measurements())
         measured.windows = bounded(measured.windows + sample.windows, self.config.max_windows)
+        if measured.samples:
+            measured.confirming = bounded(
+                measured.confirming + sample.windows, self.config.max_windows
+            )
         measured.invalid += sample.invalid
         measured.samples += 1
         self._learn_switch_cost(sample, score)
@@ -600,21 +619,35 @@ class TuningSession:
         groups (measured in at least two samples), or among all while none is. A group
         measured once can be high by luck (the best of many noisy samples is biased upwards);
         when the budget runs out after confirmations knocked the leaders down, such a group
-        must not win over one whose score has survived a second look."""
-        default_score = self._measurements[self.space.default].score
+        must not win over one whose score has survived a second look. Its score and gain are
+        those of its confirming samples once it has any (the winner's curse, see
+        :class:`_Measurements`)."""
+        default = self.space.default
         confirmed = {hp: m for hp, m in self._measurements.items() if m.samples >= 2}
         candidates = confirmed or self._measurements
         hp, measured = max(candidates.items(), key=lambda item: item[1].score)
         group = self._latest_group(hp)
-        interval = self._gain_interval(measured.windows, measured.score, measured.samples)
-        assert interval is not None  # the default group is measured first
-        return Best(
-            group,
-            measured.score,
-            measured.score / default_score - 1.0,
-            _half_width(interval[1]),
-            interval[1],
-        )
+        windows = measured.confirming if measured.confirming and hp != default else None
+        if windows is None:
+            windows, samples = measured.windows, measured.samples
+        else:
+            samples = measured.samples - 1
+        score = robust_throughput([w.rate for w in windows])
+        gain = self._gain_interval(windows, score, samples)
+        assert gain is not None  # the default group is measured first
+        return Best(group, score, gain[0], _half_width(gain[1]), gain[1])
+
+    def _close_call(self, hp: Hyperparameters) -> bool:
+        """Whether a confirmation of ``hp`` runs ``close_call_time`` times as long: one of the
+        best group (its gain is claimed from its confirming samples alone), or of the default
+        while the best's gain is not measurable. The budget counts samples, and a sample of
+        the best group costs nothing while tuning."""
+        best = self._best
+        if best is None or best.group.hyperparameters == self.space.default:
+            return False
+        if hp == best.group.hyperparameters:
+            return True
+        return hp == self.space.default and not best.measurably_faster
 
     def _latest_group(self, hp: Hyperparameters) -> Group:
         if self._group.hyperparameters == hp:
@@ -665,9 +698,14 @@ class TuningSession:
         )
 
     def _contenders_to_confirm(self) -> list[Hyperparameters]:
-        """The best group and its runners-up within the margin, if measured only once."""
+        """The best group and its runners-up within the margin, if measured only once and
+        scored above every confirmed group: one below a confirmed group could not be chosen
+        over it, and confirming it would take a sample from the comparison with the default
+        that decides the choice."""
         ranked = sorted(self._measurements.items(), key=lambda item: item[1].score, reverse=True)
         floor = ranked[0][1].score * (1.0 - self.config.confirm_margin)
+        confirmed = [m.score for m in self._measurements.values() if m.samples >= 2]
+        floor = max(floor, *confirmed) if confirmed else floor
         contenders = [hp for hp, m in ranked[: self.config.confirm_top] if m.score >= floor]
         return [hp for hp in contenders if self._measurements[hp].samples < 2]
 
@@ -724,9 +762,13 @@ class TuningSession:
         if not self._best.measurably_faster:
             # Too close to call: while budget remains, measure whichever of the two has fewer
             # windows, narrowing the interval, rather than complete on a gain within the noise.
-            return min((best, default), key=lambda hp: len(self._measurements[hp].windows)), (
-                Phase.CONFIRM
-            )
+            # The best group's gain is claimed from its confirming windows only.
+            measured = self._measurements
+            windows = {
+                best: len(measured[best].confirming),
+                default: len(measured[default].windows),
+            }
+            return min((best, default), key=windows.__getitem__), Phase.CONFIRM
         return None
 
     def _sample_cost(self) -> Callable[[np.ndarray], np.ndarray] | None:

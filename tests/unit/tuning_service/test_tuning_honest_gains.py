@@ -196,7 +196,8 @@ class TestHonestGain:
     def test_nothing_measurably_faster_completes_on_the_default_and_says_so(self):
         rng = random.Random(5)
         s = session(max_samples=6)
-        run(s, lambda hp: 100.0, rng, 0.04)  # two equal groups
+        # Hierarchical 1% faster: within the noise of the windows six samples hold.
+        run(s, lambda hp: 101.0 if hp.is_hierarchical_reduce else 100.0, rng, 0.04)
         assert s.view.state is State.COMPLETED
         assert s.view.current.hyperparameters == FLAT
         best = s.view.best
@@ -239,6 +240,39 @@ class TestHonestGain:
         assert [r.phase for r in samples[2:]] == [Phase.CONFIRM] * 6
         assert s.view.current.hyperparameters == FLAT
         assert s.view.verdict.startswith("no group measurably faster than the default")
+
+    def test_the_gain_is_claimed_from_the_confirming_sample_alone_measured_longer(self):
+        """Hierarchical's first sample reads 120 (the luck that made it the best), its
+        confirmation 110: the claim is +10%, from the confirmation only, which ran three times
+        the sampling time (close_call_time)."""
+        s = session(max_samples=3, close_call_time=3.0)
+        while s.view.state is not State.COMPLETED:
+            hp = s.view.current.hyperparameters
+            send(s, (110.0 if s.view.samples == 2 else 120.0) if hp == HIERARCHICAL else 100.0)
+        first, confirmation = s.view.records[1:3]
+        assert confirmation.phase is Phase.CONFIRM
+        assert confirmation.group.hyperparameters == HIERARCHICAL
+        assert first.seconds < 6.0 <= 15.0 <= confirmation.seconds < 16.0
+        best = s.view.best
+        assert best.group.hyperparameters == HIERARCHICAL and best.measurably_faster
+        assert best.score == pytest.approx(110.0) and best.gain_vs_default == pytest.approx(0.1)
+
+    def test_a_close_call_re_measures_the_default_longer_a_clear_gain_does_not(self):
+        swing = [1.0, 1.04, 0.96]
+
+        def default_seconds(level: float) -> list[float]:
+            s = session(max_samples=4, close_call_time=2.0)
+            count = 0
+            while s.view.state is not State.COMPLETED:
+                hierarchical = s.view.current.hyperparameters.is_hierarchical_reduce
+                send(s, (level if hierarchical else 100.0) * swing[count % 3])
+                count += 1
+            return [r.seconds for r in s.view.records if r.group.hyperparameters == FLAT][:2]
+
+        first, again = default_seconds(102.0)  # within the windows' swing: a close call
+        assert first < 6.0 and 10.0 <= again < 11.0
+        first, again = default_seconds(150.0)  # clearly faster: the default's usual length
+        assert first < 6.0 and again < 6.0
 
 
 class TestDrift:
