@@ -29,7 +29,7 @@ from torch.distributed.run import determine_local_world_size
 from benchmarks.level2_policies.grid import GridMeasurement, Trials, load_average, measure_grid
 from benchmarks.level2_policies.level2_run import level2_argv, run_level2_local, summarize
 from benchmarks.level2_policies.policies import compare_table
-from benchmarks.level2_policies.trial_hosts import LocalTrials, TestbedTrials
+from benchmarks.level2_policies.trial_hosts import LocalTrials, TestbedTrials, testbed_environment
 from benchmarks.testbed.distune_job import run_distune
 from benchmarks.testbed.network import Testbed
 from benchmarks.testbed.rate import rate_argument
@@ -122,6 +122,7 @@ class _Host:
                 nproc_per_node=self.args.nproc_per_node,
                 output_dir=self.out / f"{name}-nodes",
                 timeout=_LEVEL2_TIMEOUT,
+                env=testbed_environment(),
             )
             summary = summarize(results, time.monotonic() - start, [n.returncode for n in nodes])
         print(f"level 2: {summary['trials']} trials, chose {summary['chosen']}", flush=True)
@@ -144,12 +145,15 @@ def main() -> None:
                 if args.level2:
                     runs.append(host.level2(f"level2-{index + 1}"))
 
-            table = measure_grid(grid, args.passes, between)
+            def save(table: dict[str, Any]) -> None:
+                table["level2_runs"] = runs
+                table["host"] = f"testbed {args.testbed}" if args.testbed else "one node"
+                (args.out / "grid.json").write_text(json.dumps(table, indent=1), "utf-8")
+
+            table = measure_grid(grid, args.passes, between, save)
             if args.level2 and args.passes == 1:
                 runs.append(host.level2("level2-1"))
-        table["level2_runs"] = runs
-        table["host"] = "testbed " + str(args.testbed) if args.testbed else "one node"
-        (args.out / "grid.json").write_text(json.dumps(table, indent=1), encoding="utf-8")
+        save(table)
         print(compare_table(table))
         return
     table = json.loads(args.grid.read_text(encoding="utf-8"))

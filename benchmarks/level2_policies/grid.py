@@ -154,11 +154,17 @@ class GridMeasurement:
 
 
 def measure_grid(
-    grid: GridMeasurement, passes: int, between: Callable[[int], None] | None = None
+    grid: GridMeasurement,
+    passes: int,
+    between: Callable[[int], None] | None = None,
+    save: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Measure ``passes`` passes of the grid; ``between(i)`` runs after pass i (not the last)."""
+    """Measure ``passes`` passes of the grid; ``between(i)`` runs after pass i (not the last),
+    ``save`` gets the table so far after every pass (so a cut-short run keeps its passes)."""
     for index in range(passes):
         grid.measure_pass()
+        if save is not None:
+            save(grid.table())
         if between is not None and index < passes - 1:
             between(index)
     return grid.table()

@@ -4,6 +4,7 @@ shaped testbed (one static-rendezvous job across the nodes' namespaces)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,13 @@ from distune.worker_settings import WorkerSettings
 #: Rendezvous ports of testbed trials: a fresh one each (node 0's namespace has its own ports).
 _FIRST_PORT = 29600
 _LOG_TAIL_LINES = 12
+
+
+def testbed_environment() -> dict[str, str]:
+    """Variables every testbed rank gets: one torch thread, as torchrun gives each rank when a
+    node runs several (the testbed's nodes share this machine's cores; with one rank a node,
+    torchrun would leave torch a thread per core in every rank, and they would fight)."""
+    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
 class LocalTrials:
@@ -88,7 +96,8 @@ class TestbedTrials:
             path = trial_dir / f"torchrun-node{node.rank}.json"
             path.write_text(json.dumps(self.spec(node, script_args, port)), encoding="utf-8")
             specs[node.rank] = path
-        env = WorkerSettings(autotune_level=0).to_env()  # no online tuning in a trial
+        env = testbed_environment()
+        env.update(WorkerSettings(autotune_level=0).to_env())  # no online tuning in a trial
         env.update(TrialSettings(**{**vars(settings), "trial_dir": trial_dir}).to_env())
         start = time.monotonic()
         results = run_on_nodes(
