@@ -5,13 +5,15 @@
     .venv/bin/python -m benchmarks.level2_policies level2 [--testbed ...] OUT_DIR/grid.json \\
         -- DISTUNE_RUN_ARGS...
     .venv/bin/python -m benchmarks.level2_policies replay OUT_DIR/grid.json
+    .venv/bin/python -m benchmarks.level2_policies memory OUT_DIR/grid.json
 
 ``measure`` runs the exhaustive grid of the job's level-2 space as real trials, in passes, and
 with ``--level2`` a real ``distune-run --autotune_level 2 --autotune_mode tune`` of the same job
 between passes (after the only pass if there is one), so all of it is measured side by side;
 with ``--testbed RATE`` every trial and the level-2 run are multi-node jobs on the shaped
 testbed (needs root). ``level2`` adds a later real level-2 run to a measured grid. ``replay``
-runs every policy against the grid and prints the comparison as a Markdown table.
+runs every policy against the grid and prints the comparison as a Markdown table; ``memory``
+prints the memory model's prediction error on the grid's configurations.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch.distributed.run import determine_local_world_size
 
 from benchmarks.level2_policies.grid import GridMeasurement, Trials, load_average, measure_grid
 from benchmarks.level2_policies.level2_run import level2_argv, run_level2_local, summarize
+from benchmarks.level2_policies.memory_error import error_summary
 from benchmarks.level2_policies.policies import compare_table
 from benchmarks.level2_policies.trial_hosts import LocalTrials, TestbedTrials, testbed_environment
 from benchmarks.testbed.distune_job import run_distune
@@ -71,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("launcher_argv", nargs=argparse.REMAINDER)
     replay = commands.add_parser("replay", help="replay the policies against a grid")
     replay.add_argument("grid", type=Path)
+    memory = commands.add_parser("memory", help="the memory model's error on a grid")
+    memory.add_argument("grid", type=Path)
     return parser  # fmt: skip
 
 
@@ -131,8 +136,9 @@ class _Host:
 
 def main() -> None:
     args = _parser().parse_args()
-    if args.command == "replay":
-        print(compare_table(json.loads(args.grid.read_text(encoding="utf-8"))))
+    if args.command in ("replay", "memory"):
+        table = json.loads(args.grid.read_text(encoding="utf-8"))
+        print(compare_table(table) if args.command == "replay" else error_summary(table))
         return
     argv = [a for a in args.launcher_argv if a != "--"]
     if args.command == "measure":
