@@ -174,6 +174,8 @@ def test_a_resumed_trial_is_recorded_without_any_node_running_it(client):
         ("POST", "/finish", {"mode": "run"}, 409, "trial 0 is still running"),
         ("POST", "/stop", {"node_rank": 5, "reason": "x"}, 400, "node ranks 0 to 1"),
         ("GET", "/current?node_rank=x", None, 400, "node_rank: must be a node rank"),
+        ("GET", "/current?node_rank=%C2%B2", None, 400, "node_rank: must be a node rank"),
+        ("GET", "/current?node_rank=12345678901", None, 400, "node_rank: must be a node rank"),
         ("GET", "/current?node_rank=3", None, 400, "node_rank: this trial runs on 2 nodes"),
         ("GET", "/current?node=1", None, 400, "'node': unknown query parameter; the one allowed is node_rank"),
     ],
