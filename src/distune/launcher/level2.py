@@ -165,7 +165,13 @@ def trial_port(args: argparse.Namespace) -> int:
     if nnodes == 1:
         return free_port()
     with socket.socket() as probe:
-        probe.bind((args.master_addr, 0))
+        try:
+            probe.bind((args.master_addr, 0))
+        except OSError as error:
+            raise OptionError(
+                f"--master_addr {args.master_addr}: node 0 cannot listen there for its trials' "
+                f"rendezvous ({error.strerror or error}); give node 0's own address"
+            ) from None
         return int(probe.getsockname()[1])
 
 
