@@ -39,16 +39,31 @@ from distune.trial_settings import TrialSettings
 from distune.tuning_service.trial_board import OUTCOME_PRIORITY
 from distune.tuning_service.trials.memory_model import MemoryModel, ModelFacts
 from distune.tuning_service.trials.trial_config import (
+    ACCUMULATION,
+    MICRO_BATCH,
     TrialConfig,
     TrialConfigError,
     TrialPins,
 )
-from distune.tuning_service.trials.trial_result import OK, THROUGHPUT, TIMEOUT, TrialResult
+from distune.tuning_service.trials.trial_result import (
+    CRASH,
+    OK,
+    OOM,
+    THROUGHPUT,
+    TIMEOUT,
+    TrialResult,
+)
 from distune.tuning_service.trials.trial_search import Proposal, TrialSearch
 from distune.tuning_service.trials.trial_space import TrialSpace
 
 DEFAULT_MAX_TRIALS = 20
 DEFAULT_TRIAL_TIMEOUT = 120.0
+#: The profile result's ``api`` of a script measured through its DistributedDataParallel.
+WRAPPER_API = "wrapper"
+_TAKING_PART = (
+    " (a script takes part in level 2 by calling distune.prepare, or by wrapping its model in "
+    "distune.DistributedDataParallel with its batch flags named in the config's arg_mappings)"
+)
 
 
 #: Seconds node 0 waits for the other nodes' reports beyond the trial time-out (their own
@@ -72,14 +87,50 @@ class Chosen:
     settings: TrialSettings
 
 
+def space_pins(pins: TrialPins, profile: TrialConfig, api: str | None) -> TrialPins:
+    """What the search may change: ``pins`` for a script that calls ``distune.prepare``; for
+    one measured through its wrapper only (``api`` ``wrapper``), DDP in full precision without
+    checkpointing and only the batch knobs its ``arg_mappings`` reach (the others stay the
+    script's own)."""
+    if api != WRAPPER_API:
+        return pins
+    mapped = dict(pins.arg_mappings)
+    if not mapped:
+        raise TrialConfigError(
+            "the script never calls distune.prepare and the config has no arg_mappings: level 2 "
+            "can change nothing in it. Call distune.prepare (micro-batch, accumulation, ZeRO "
+            "stages, checkpointing), or map its batch flags, e.g. arg_mappings: "
+            f"{{{MICRO_BATCH}: --batch_size, {ACCUMULATION}: --grad_accum}}"
+        )
+    if pins.stage not in (None, 0) or pins.checkpointing or pins.bf16:
+        raise TrialConfigError(
+            "the config pins a ZeRO stage, activation checkpointing or bf16, which need the "
+            "script to call distune.prepare; this one only wraps its model in "
+            "distune.DistributedDataParallel"
+        )
+    return replace(
+        pins,
+        stage=0,
+        checkpointing=False,
+        bf16=False,
+        micro_batch=pins.micro_batch if MICRO_BATCH in mapped else profile.micro_batch,
+        accumulation=pins.accumulation if ACCUMULATION in mapped else profile.accumulation,
+    )
+
+
 def settings_for(config: TrialConfig | None, pins: TrialPins, cap: int | None) -> TrialSettings:
     """The ranks' settings: a configuration's knobs, or (``None``) the pinned ones only."""
     if config is None:
         return TrialSettings(
-            pins.micro_batch, pins.accumulation, pins.stage, pins.checkpointing, cap
+            pins.micro_batch, pins.accumulation, pins.stage, pins.checkpointing, cap, bf16=pins.bf16
         )
     return TrialSettings(
-        config.micro_batch, config.accumulation, config.stage, config.checkpointing, cap
+        config.micro_batch,
+        config.accumulation,
+        config.stage,
+        config.checkpointing,
+        cap,
+        bf16=config.bf16,
     )
 
 
@@ -253,6 +304,7 @@ class Level2:
                     "accumulation": settings.accumulation,
                     "stage": settings.stage,
                     "checkpointing": settings.checkpointing,
+                    "bf16": settings.bf16,
                 },
                 "master_port": trial_port(self.args),
                 "config": None if config is None else config.to_config(self.world_size),
@@ -291,12 +343,14 @@ class Level2:
                 self.pins.accumulation or 1,
                 self.pins.stage or 0,
                 bool(self.pins.checkpointing),
+                bool(self.pins.bf16),
             )
         return TrialConfig(
             reported["micro_batch"],
             reported["accumulation"],
             reported["stage"],
             reported["checkpointing"],
+            reported.get("bf16", False),
         )
 
     def _combined(self, index: int) -> dict[str, Any]:
@@ -353,6 +407,7 @@ class Level2:
                 "accumulation": best.accumulation,
                 "stage": best.stage,
                 "checkpointing": best.checkpointing,
+                "bf16": best.bf16,
             }
         self.client.finish({"mode": mode, "chosen": chosen, "knobs": knobs})
         self._wait_acknowledged(FINISH_ACK_WAIT)
@@ -378,22 +433,29 @@ class Level2:
             self._say(f"pinned (never changed): {self.pins.pinned()}")
         profile = self._trial(0, None, "profile", None)
         if profile.outcome != OK:
+            hint = "" if profile.outcome in (OOM, CRASH) else _TAKING_PART
             self._say(
                 f"the profile trial (the script's own configuration) ended {profile.outcome}: "
-                "nothing to tune from; see its log"
+                f"nothing to tune from; see its log{hint}"
             )
             self.report.finish(None, [], time.monotonic() - self.started)
             return None
+        assert profile.facts is not None
         try:
             space = TrialSpace(
-                self.pins,
+                space_pins(self.pins, profile.config, profile.facts.get("api")),
                 self.world_size,
                 profile.config,
                 self.options.autotune_allow_batch_change,
             )
         except TrialConfigError as error:
             raise OptionError(f"--autotune_level 2: {error}") from None
-        assert profile.facts is not None
+        if profile.facts.get("api") == WRAPPER_API:
+            self._say(
+                "the script is measured through distune.DistributedDataParallel (it never calls "
+                "distune.prepare): micro-batch x accumulation through arg_mappings, on DDP "
+                "without checkpointing"
+            )
         search = TrialSearch(
             space,
             MemoryModel(model_facts(profile.facts, profile.config)),

@@ -37,7 +37,12 @@ class TrialsStoppedError(DistuneError):
 def settings_from_knobs(knobs: TrialKnobs, device_memory: int | None) -> TrialSettings:
     """The ranks' settings for published knobs, with this node's memory cap."""
     return TrialSettings(
-        knobs.micro_batch, knobs.accumulation, knobs.stage, knobs.checkpointing, device_memory
+        knobs.micro_batch,
+        knobs.accumulation,
+        knobs.stage,
+        knobs.checkpointing,
+        device_memory,
+        bf16=knobs.bf16,
     )
 
 

@@ -272,6 +272,7 @@ _TRIAL_SCHEMAS: dict[str, Any] = {
                 "description": "0 ddp, 1 zero1, 2 zero2, 3 zero3",
             },
             "checkpointing": {"type": ["boolean", "null"]},
+            "bf16": {"type": ["boolean", "null"], "description": "bf16 mixed precision"},
         },
     },
     "TrialSpec": {

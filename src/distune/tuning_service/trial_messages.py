@@ -25,7 +25,7 @@ MAX_NODES = 100_000
 MAX_ERROR_CHARS = 8_000
 PURPOSE_PATTERN = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 #: The knobs a trial sets in every rank; None leaves the script's own value.
-KNOBS = ("micro_batch", "accumulation", "stage", "checkpointing")
+KNOBS = ("micro_batch", "accumulation", "stage", "checkpointing", "bf16")
 MODES = ("tune", "run")
 
 
@@ -82,6 +82,7 @@ class TrialKnobs:
     accumulation: int | None = None
     stage: int | None = None
     checkpointing: bool | None = None
+    bf16: bool | None = None
 
     @classmethod
     def from_json(cls, data: Any, where: str = "knobs") -> TrialKnobs:
@@ -92,12 +93,12 @@ class TrialKnobs:
             value = body.get(name)
             low = 0 if name == "stage" else 1
             values[name] = None if value is None else _integer(f"{where}.{name}", value, low, high)
-        checkpointing = body.get("checkpointing")
-        if checkpointing is not None and not isinstance(checkpointing, bool):
-            raise RequestError(
-                f"{where}.checkpointing", f"must be true, false or null, got {checkpointing!r}"
-            )
-        return cls(**values, checkpointing=checkpointing)
+        for name in ("checkpointing", "bf16"):
+            value = body.get(name)
+            if value is not None and not isinstance(value, bool):
+                raise RequestError(f"{where}.{name}", f"must be true, false or null, got {value!r}")
+            values[name] = value
+        return cls(**values)
 
     def to_json(self) -> dict[str, Any]:
         """The ``knobs`` object."""

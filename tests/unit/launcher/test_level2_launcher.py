@@ -150,7 +150,7 @@ def test_the_arg_mappings_example_config_is_valid() -> None:
     example = Path(__file__).resolve().parents[3] / "examples" / "level2_arg_mappings.yaml"
     args, _ = parse(["--autotune_level", "2", "--autotune_config", str(example), "t.py"])
     pins = trial_pins(args)
-    assert pins.global_batch == 32
+    assert pins.global_batch is None  # the script's own global batch is kept
     assert rewrite_script_args(["--batch-size", "2"], pins, 8, 2) == [
         "--grad-accum", "2", "--batch-size", "8",
     ]  # fmt: skip
@@ -219,3 +219,20 @@ def test_node_0_refuses_a_master_addr_it_cannot_listen_at() -> None:
         ["--nnodes", "2", "--master_addr", "127.0.0.1", "--autotune_level", "2", "t.py"]
     )
     assert 0 < trial_port(args) < 65536
+
+
+def test_a_script_measured_through_its_wrapper_keeps_ddp_and_its_unmapped_knobs() -> None:
+    from distune.launcher.level2 import space_pins
+    from distune.tuning_service.trials.trial_config import TrialConfig, TrialConfigError
+
+    own = TrialConfig(2, 4, 0, False)
+    mapped = TrialPins(arg_mappings=(("train_micro_batch_size_per_gpu", "--batch-size"),))
+    assert space_pins(mapped, own, "prepare") == mapped  # prepare: everything stays free
+    # Only the micro-batch flag is mapped: the accumulation stays the script's own.
+    assert space_pins(mapped, own, "wrapper") == TrialPins(
+        accumulation=4, stage=0, checkpointing=False, arg_mappings=mapped.arg_mappings
+    )
+    with pytest.raises(TrialConfigError, match=r"never calls distune\.prepare and the config has"):
+        space_pins(TrialPins(), own, "wrapper")
+    with pytest.raises(TrialConfigError, match=r"need the script to call distune\.prepare"):
+        space_pins(TrialPins(stage=2, arg_mappings=mapped.arg_mappings), own, "wrapper")

@@ -11,7 +11,7 @@ from distune.tuning_service.trial_board import OUTCOME_PRIORITY
 
 TOKEN = "trial-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-KNOBS = {"micro_batch": 4, "accumulation": 2, "stage": 1, "checkpointing": False}
+KNOBS = {"micro_batch": 4, "accumulation": 2, "stage": 1, "checkpointing": False, "bf16": False}
 CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
 MEASURED = {"throughput": 120.0, "step_seconds": 0.25, "peak_memory_bytes": 2**24}
 
@@ -155,7 +155,7 @@ def test_a_resumed_trial_is_recorded_without_any_node_running_it(client):
     ("method", "path", "body", "status", "message"),
     [
         ("POST", "", {**spec(0), "knobs": {"micro_batch": 0}}, 400, "knobs.micro_batch: must be in [1,"),
-        ("POST", "", {**spec(0), "knobs": {"zero": 1}}, 400, "knobs.zero: unknown field; allowed fields are micro_batch, accumulation, stage, checkpointing"),
+        ("POST", "", {**spec(0), "knobs": {"zero": 1}}, 400, "knobs.zero: unknown field; allowed fields are micro_batch, accumulation, stage, checkpointing, bf16"),
         ("POST", "", {**spec(0), "master_port": 70000}, 400, "master_port: must be in [1, 65535]"),
         ("POST", "", {**spec(0), "purpose": "Search!"}, 400, "purpose: must match"),
         ("POST", "", {k: v for k, v in spec(0).items() if k != "nnodes"}, 400, "nnodes: missing"),

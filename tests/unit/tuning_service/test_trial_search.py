@@ -45,9 +45,15 @@ def facts(activation: int = 10 * MiB) -> ModelFacts:
 
 
 def true_peak(config: TrialConfig) -> int:
-    """The simulated job's real peak: the formula, 5 MiB of slack, checkpointing saves 70%."""
+    """The simulated job's real peak: the formula, 5 MiB of slack, checkpointing saves 70%,
+    and without accumulation part of the gradients never coexists with the activations."""
     activation = 10 * MiB * (0.3 if config.checkpointing else 1.0)
-    return round(facts().state_bytes(config.stage) + 5 * MiB + activation * config.micro_batch)
+    return round(
+        facts().state_bytes(config.stage)
+        + 5 * MiB
+        + activation * config.micro_batch
+        - facts().unaccumulated_bytes(config)
+    )
 
 
 def speed(config: TrialConfig) -> float:
@@ -220,7 +226,7 @@ def test_under_a_cap_sharding_or_checkpointing_reaches_the_best_micro_batch() ->
 def test_an_out_of_memory_trial_prunes_larger_micro_batches_of_its_family() -> None:
     search = new_search(None)
     search.record(TrialResult(0, TrialConfig(8, 2, 1, False), WORLD, OOM, peak_memory_bytes=None))
-    proposal = search._next_in_family(1, False)
+    proposal = search._next_in_family(1, False, False)
     assert proposal is not None and proposal.config.micro_batch == 4
     assert "pruned" in search.decisions[-1]
 
@@ -255,9 +261,9 @@ def test_pins_are_never_changed_and_the_global_batch_is_fixed() -> None:
 
 def test_the_best_two_are_measured_again_within_the_budget() -> None:
     cap = 420 * MiB  # DDP fits micro-batch 1 only: the sharded stages are worth trying
-    search = new_search(cap, max_trials=6)
+    search = new_search(cap, max_trials=4)  # fewer than the search would run
     ran = run_search(search, cap)
-    assert len(ran) == 6
+    assert len(ran) == 4
     remeasured = [r.config for r in ran if r.purpose == "remeasure"]
     assert len(remeasured) == 2
     assert {c for c, _ in search.ranking()[:2]} <= {r.config for r in ran}
@@ -297,7 +303,30 @@ def test_the_profiles_checkpointed_estimate_is_the_prior_of_checkpointed_familie
     measured = replace(facts(), checkpointed_bytes_per_sample=3 * MiB)
     model = MemoryModel(measured)
     on = TrialConfig(16, 1, 0, True)
-    assert model.predict(on) == round(measured.state_bytes(0) + measured.residual_bytes + 48 * MiB)
+    expected = (
+        measured.state_bytes(0)
+        + measured.residual_bytes
+        + 48 * MiB
+        - measured.gradient_bytes / 2  # no accumulation: half the gradients never coexist
+    )
+    assert model.predict(on) == round(expected)
+
+
+def test_without_accumulation_the_gradients_overlap_the_activations_in_part() -> None:
+    model = MemoryModel(facts())
+    g = facts().gradient_bytes
+    for stage, share in ((0, 0.5), (1, 0.5), (2, 0.5), (3, 1.0)):
+        single, accumulating = TrialConfig(16, 1, stage, False), TrialConfig(8, 2, stage, False)
+        # Along the activation line from 8 x 2, less the share of G that 16 x 1 does not hold.
+        line = model.predict(accumulating) + 8 * facts().activation_bytes_per_sample
+        assert model.predict(single) == round(line - share * g)
+    # A profile without accumulation: its residual gets the share back, so it is predicted as
+    # measured, and an accumulating configuration gets the share on top.
+    profile = TrialConfig(16, 1, 0, False)
+    unaccumulated = replace(facts(), profile=profile, profile_peak_bytes=500 * MiB)
+    model = MemoryModel(unaccumulated)
+    assert model.predict(profile) == 500 * MiB
+    assert model.predict(TrialConfig(8, 2, 0, False)) == round(500 * MiB - 80 * MiB + g / 2)
 
 
 def test_a_trial_record_round_trips_through_trials_jsonl() -> None:
@@ -323,3 +352,53 @@ def test_a_stage_that_fits_no_larger_micro_batch_than_a_cheaper_one_is_skipped()
     ran = run_search(search, None)
     assert {r.config.stage for r in ran} == {0}
     assert any("zero1: skipped" in d for d in search.decisions)
+
+
+# -- mixed precision -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("config", "pinned"),
+    [
+        ({}, False),  # absent: never (it changes the numerics)
+        ({"bf16": {"enabled": False}}, False),
+        ({"bf16": {"enabled": True}}, True),
+        ({"bf16": {"enabled": "auto"}}, None),
+        ({"bf16": "auto"}, None),
+    ],
+)
+def test_bf16_is_allowed_only_where_the_config_says_so(config, pinned) -> None:
+    assert TrialPins.from_config(config).bf16 is pinned
+
+
+def test_a_bad_bf16_section_names_what_is_allowed() -> None:
+    with pytest.raises(TrialConfigError, match="bf16 must be a mapping with enabled: true"):
+        TrialPins.from_config({"bf16": {"enabled": "maybe"}})
+
+
+def bf16_speed(config: TrialConfig) -> float:
+    return speed(config) * (1.3 if config.bf16 else 1.0)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_pinned_or_absent_bf16_is_never_changed(bf16) -> None:
+    search = new_search(700 * MiB, TrialPins(bf16=bf16))
+    ran = run_search(search, 700 * MiB, bf16_speed)
+    assert {r.config.bf16 for r in ran} == {bf16}
+    assert search.best().bf16 is bf16
+
+
+def test_with_bf16_allowed_the_search_tries_it_as_a_family_and_keeps_it_if_faster() -> None:
+    search = new_search(700 * MiB, TrialPins(bf16=None))
+    ran = run_search(search, 700 * MiB, bf16_speed)
+    tried = [(r.config.stage, r.config.bf16) for r in ran if r.purpose == "search"]
+    # DDP in full precision first, then its bf16 twin (predicted as the twin until measured).
+    assert tried[:2] == [(0, False), (0, True)]
+    best = search.best()
+    assert best is not None and best.bf16
+    assert best.to_config(WORLD)["bf16"] == {"enabled": True}
+    assert TrialConfig.from_config(best.to_config(WORLD)) == best
+    # Slower in full precision: kept off.
+    search = new_search(700 * MiB, TrialPins(bf16=None))
+    run_search(search, 700 * MiB, lambda c: speed(c) * (0.7 if c.bf16 else 1.0))
+    assert not search.best().bf16
