@@ -207,6 +207,20 @@ def test_level2_refuses_a_results_dir_already_used(tmp_path: Path) -> None:
         Level2(args, options, TrialPins(), argv, TrialClient("http://127.0.0.1:9"))
 
 
+def test_node_0_refuses_a_master_addr_it_cannot_listen_at() -> None:
+    from distune.launcher.level2 import trial_port
+    from distune.launcher.options import OptionError
+
+    argv = ["--nnodes", "2", "--node_rank", "0", "--master_addr", "192.0.2.1"]  # TEST-NET-1
+    args, _ = parse([*argv, "--autotune_level", "2", "t.py"])
+    with pytest.raises(OptionError, match=r"--master_addr 192\.0\.2\.1: node 0 cannot listen"):
+        trial_port(args)
+    args, _ = parse(
+        ["--nnodes", "2", "--master_addr", "127.0.0.1", "--autotune_level", "2", "t.py"]
+    )
+    assert 0 < trial_port(args) < 65536
+
+
 def test_a_script_measured_through_its_wrapper_keeps_ddp_and_its_unmapped_knobs() -> None:
     from distune.launcher.level2 import space_pins
     from distune.tuning_service.trials.trial_config import TrialConfig, TrialConfigError
