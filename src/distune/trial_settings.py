@@ -24,6 +24,7 @@ DEVICE_MEMORY = "DISTUNE_DEVICE_MEMORY"
 TRIAL_DIR = "DISTUNE_TRIAL_DIR"
 WARMUP_STEPS = "DISTUNE_TRIAL_WARMUP_STEPS"
 MEASURED_STEPS = "DISTUNE_TRIAL_STEPS"
+COLLECTIVE_TIMEOUT = "DISTUNE_TRIAL_COLLECTIVE_TIMEOUT"
 
 #: Every variable, with what it means, as the README lists them.
 VARIABLES = {
@@ -36,6 +37,7 @@ VARIABLES = {
     TRIAL_DIR: "level 2: this run is a trial; its ranks write results here and end",
     WARMUP_STEPS: "level 2: optimizer steps a trial runs before measuring (default 2)",
     MEASURED_STEPS: "level 2: optimizer steps a trial measures (default 5)",
+    COLLECTIVE_TIMEOUT: "level 2: seconds a trial's collective waits for a peer rank, then fails",
 }
 
 
@@ -56,6 +58,7 @@ class TrialSettings:
     warmup_steps: int = 2
     measured_steps: int = 5
     bf16: bool | None = None
+    collective_timeout: int | None = None
 
     def __post_init__(self) -> None:
         for name, value, low in (
@@ -64,6 +67,7 @@ class TrialSettings:
             (DEVICE_MEMORY, self.device_memory, 1),
             (WARMUP_STEPS, self.warmup_steps, 0),
             (MEASURED_STEPS, self.measured_steps, 2),
+            (COLLECTIVE_TIMEOUT, self.collective_timeout, 1),
         ):
             if value is not None and value < low:
                 raise TrialSettingsError(f"{name} must be at least {low}, got {value}")
@@ -90,6 +94,8 @@ class TrialSettings:
         if self.is_trial:
             env[WARMUP_STEPS] = str(self.warmup_steps)
             env[MEASURED_STEPS] = str(self.measured_steps)
+            if self.collective_timeout is not None:
+                env[COLLECTIVE_TIMEOUT] = str(self.collective_timeout)
         return env
 
     @classmethod
@@ -110,6 +116,7 @@ class TrialSettings:
             trial_dir=Path(trial_dir) if trial_dir else None,
             warmup_steps=_or(_int(environ, WARMUP_STEPS), defaults.warmup_steps),
             measured_steps=_or(_int(environ, MEASURED_STEPS), defaults.measured_steps),
+            collective_timeout=_int(environ, COLLECTIVE_TIMEOUT),
         )
 
 

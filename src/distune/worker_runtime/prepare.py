@@ -14,6 +14,7 @@ import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -121,6 +122,10 @@ def prepare(
     rank = dist.get_rank()
     if settings.trial_dir is not None:
         install_failure_report(settings.trial_dir, rank)
+        if settings.collective_timeout is not None:
+            # A peer rank that died (on another node, say) must not hold this one in a
+            # collective for torch's default 30 minutes, even if its launcher is gone.
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=settings.collective_timeout))
     device = next(model.parameters()).device
     micro = settings.micro_batch or micro_batch_size
     accumulation = settings.accumulation or gradient_accumulation_steps

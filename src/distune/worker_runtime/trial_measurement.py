@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 
 #: Rank 0's aggregated result; each rank's own file is ``rank<R>.json``.
 RESULT_FILE = "result.json"
-#: Rank 0 rewrites this with the number of finished steps: the launcher's watchdog reads it.
+#: Each node's first rank rewrites this with the number of finished steps: that node
+#: launcher's watchdog reads it.
 PROGRESS_FILE = "progress"
 _TRACEBACK_TAIL_LINES = 12
 _OOM_MESSAGES = ("out of memory", "can't allocate memory", "DefaultCPUAllocator")
@@ -126,6 +127,7 @@ class TrialMeasurement:
         self.measured = measured
         self.device = device
         self.rank = dist.get_rank()
+        self._writes_progress = int(os.environ.get("LOCAL_RANK", self.rank)) == 0
         self._describe = describe
         self._steps = 0
         self._last = time.perf_counter()
@@ -188,7 +190,7 @@ class TrialMeasurement:
         elif self._steps == self.warmup:
             self.meter.reset_peak()
         self._last = now
-        if self.rank == 0:
+        if self._writes_progress:
             write_json(self.trial_dir / PROGRESS_FILE, {"steps": self._steps})
         if self._steps == self.warmup + self.measured:
             self._finish()
