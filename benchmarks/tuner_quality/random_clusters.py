@@ -9,20 +9,31 @@ allreduce overlapping the backward pass:
 - the cluster: 1 to 128 nodes (log-uniform) of 1 to 8 ranks; 10 to 3,200 Gbit/s into each
   node, either *rail-optimised* (one NIC per rank: a flat ring spreads over every NIC, while
   hierarchical's node leaders allreduce over one) or one shared NIC per node; intra-node
-  bandwidth from PCIe to NVLink and its latency; inter-node latency; a launch cost per
-  collective, paid on the compute stream (hierarchical launches three collectives a bucket);
+  bandwidth from PCIe to NVLink and its latency; inter-node latency;
+- the host: it launches the backward pass's kernels and every bucket's collectives (a launch
+  cost per collective; hierarchical launches three a bucket). Launching the kernels takes a
+  drawn share of the backward pass (5 % for a model of large kernels, all of it for one of
+  tiny kernels); the GPU waits for the host only once the launches fall behind it, so small
+  buckets are free while the host has slack, and stall the backward pass once it has none;
 - overlap: buckets become ready evenly through the backward pass and go out one at a time;
   while the backward pass runs, communication proceeds at a drawn fraction of its full speed
-  (contention for memory bandwidth and SMs); what is left after it is exposed.
+  (contention for memory bandwidth and SMs); what is left after it is exposed, the last
+  bucket's allreduce at least.
 
-A message of ``m`` bytes costs, over ``p = nodes x ranks`` ranks:
+A message of ``m`` bytes costs, over ``p = nodes x ranks`` ranks, with NCCL's choice of the
+faster of its two algorithms for the size:
 
-- flat: a ring over all ranks, ``2(p-1)`` steps of the slowest link's latency and
-  ``2(p-1)/p * m`` bytes at the slower of intra-node and the node's NIC bandwidth (every NIC of
-  a rail-optimised node; the one NIC otherwise);
+- flat, ring: ``2(p-1)`` steps of the inter-node latency and ``2(p-1)/p * m`` bytes at the
+  slower of intra-node and the node's NIC bandwidth (every NIC of a rail-optimised node; the
+  one NIC otherwise); tree: ``2 log2(n)`` inter-node steps and ``2(r-1)`` intra-node ones
+  (a node's ranks chained), all ``m`` bytes up and down at that bandwidth. The tree wins
+  small messages on many ranks, the ring large ones;
 - hierarchical: an intra-node reduce and broadcast (``(r-1)`` latency steps and ``m`` bytes
-  each), and a ring among node leaders, ``2(n-1)`` steps and ``2(n-1)/n * m`` bytes over one
-  NIC.
+  each), and the node leaders' allreduce (ring or tree among ``n``) over one NIC.
+
+So where the best bucket size lies spans the whole range: near the top where per-message
+latency or launches dominate, near the bottom where the tree keeps messages cheap, the host
+has slack and the exposed last bucket dominates.
 
 The draw is seeded: :func:`draw` with one seed is the *training* draw the tuner's settings are
 chosen on, with another the *held-out* draw the figures are reported on.
@@ -57,6 +68,7 @@ class RandomCluster:
     intra_latency: float
     launch_cost: float
     compute_seconds: float
+    dispatch_share: float
     overlap_speed: float
     optimizer_seconds: float
 
@@ -94,13 +106,10 @@ class RandomCluster:
             steps = 2 * (ranks - 1)
             return steps * self.intra_latency + steps / ranks * nbytes / self.intra_bytes_per_s
         if not hierarchical or ranks == 1:
-            steps = 2 * (world - 1)
             bandwidth = min(self.intra_bytes_per_s, nics * nic) if ranks > 1 else nic
-            return steps * self.inter_latency + steps / world * nbytes / bandwidth
+            return _ring_or_tree(nodes, ranks, self, nbytes, bandwidth)
         local = (ranks - 1) * self.intra_latency + nbytes / self.intra_bytes_per_s
-        steps = 2 * (nodes - 1)
-        leaders = steps * self.inter_latency + steps / nodes * nbytes / nic
-        return 2 * local + leaders
+        return 2 * local + _ring_or_tree(nodes, 1, self, nbytes, nic)
 
     def step_seconds(self, hp: Hyperparameters) -> float:
         """One training step's time under group ``hp``."""
@@ -109,8 +118,10 @@ class RandomCluster:
         hierarchical = hp.is_hierarchical_reduce
         collectives = 3 if hierarchical and self.nodes > 1 and self.ranks_per_node > 1 else 1
         forward, backward = self.compute_seconds / 3, 2 * self.compute_seconds / 3
-        # Launching a bucket's collectives stalls the compute stream.
-        backward += buckets * collectives * self.launch_cost
+        # The host launches the backward's kernels and every bucket's collectives; the GPU
+        # waits for it only once the host falls behind.
+        launching = self.dispatch_share * backward + buckets * collectives * self.launch_cost
+        backward = max(backward, launching)
         message = self.message_seconds(gradient / buckets, hierarchical)
         work = buckets * message
         # Buckets are ready evenly through the backward pass, the first after 1/buckets of it;
@@ -118,6 +129,22 @@ class RandomCluster:
         overlapped = min(work - message, (backward - backward / buckets) * self.overlap_speed)
         exposed = max(message, work - overlapped)
         return forward + backward + exposed + self.optimizer_seconds
+
+
+def _ring_or_tree(
+    nodes: int, ranks: int, cluster: RandomCluster, nbytes: float, bandwidth: float
+) -> float:
+    """An allreduce of ``nbytes`` among ``nodes x ranks`` ranks over links of ``bandwidth``,
+    by whichever of NCCL's two algorithms is faster for the size: a ring over every rank
+    (``2(p-1)`` steps of the inter-node latency, ``2(p-1)/p`` of the bytes on each link) or a
+    tree among the nodes, each node's ranks chained inside it (``2 log2(nodes)`` inter-node
+    and ``2(ranks-1)`` intra-node steps, all the bytes up and down)."""
+    members = nodes * ranks
+    steps = 2 * (members - 1)
+    ring = steps * cluster.inter_latency + steps / members * nbytes / bandwidth
+    tree_steps = 2 * math.ceil(math.log2(nodes)) * cluster.inter_latency
+    tree = tree_steps + 2 * (ranks - 1) * cluster.intra_latency + 2 * nbytes / bandwidth
+    return min(ring, tree)
 
 
 def _log_uniform(rng: random.Random, low: float, high: float) -> float:
@@ -151,6 +178,7 @@ def draw_cluster(rng: random.Random) -> RandomCluster:
         intra_latency=_log_uniform(rng, 0.2e-6, 5e-6),
         launch_cost=_log_uniform(rng, 1e-6, 50e-6),
         compute_seconds=compute,
+        dispatch_share=_log_uniform(rng, 0.05, 1.0),
         overlap_speed=rng.uniform(0.1, 1.0),
         optimizer_seconds=compute * rng.uniform(0.01, 0.1),
     )

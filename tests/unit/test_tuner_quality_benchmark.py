@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -14,6 +15,13 @@ from benchmarks.tuner_quality.compare import (
 )
 from benchmarks.tuner_quality.landscapes import Landscape, hump_landscape, oracle_tables
 from benchmarks.tuner_quality.measurement import NoiseModel
+from benchmarks.tuner_quality.random_clusters import (
+    HELD_OUT_SEED,
+    TRAINING_SEED,
+    RandomCluster,
+    draw,
+    optimum_position,
+)
 from benchmarks.tuner_quality.tuners import (
     DistuneTuner,
     GridSearch,
@@ -22,7 +30,7 @@ from benchmarks.tuner_quality.tuners import (
     grid,
 )
 
-from distune.space import ModelFacts
+from distune.space import Hyperparameters, ModelFacts
 
 FACTS = ModelFacts(world_size=4, nnodes=2, local_world_size=2, gradient_bytes=13_228_032)
 
@@ -95,3 +103,60 @@ def test_the_claimed_gain_is_set_against_the_true_one() -> None:
     table = gain_claim_table(runs, [10, 20])
     assert "| distune | +0.0% / +0.0% (1) | +0.0% / +0.0% (1) |" in table
     assert "random" not in table
+
+
+def _cluster(**changes: float) -> RandomCluster:
+    base = RandomCluster(
+        parameters=1e8,
+        gradient_dtype_bytes=4,
+        nodes=16,
+        ranks_per_node=8,
+        node_bytes_per_s=50e9,
+        rail_optimised=True,
+        intra_bytes_per_s=300e9,
+        inter_latency=5e-6,
+        intra_latency=1e-6,
+        launch_cost=10e-6,
+        compute_seconds=0.3,
+        dispatch_share=0.1,
+        overlap_speed=0.8,
+        optimizer_seconds=0.01,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def test_a_small_message_on_many_ranks_goes_by_tree_and_a_large_one_by_ring() -> None:
+    cluster = _cluster()
+    ring_latency = 2 * (cluster.nodes * cluster.ranks_per_node - 1) * cluster.inter_latency
+    # The tree's latency is log2(nodes) inter-node steps, far below the ring's 254.
+    assert cluster.message_seconds(1.0, hierarchical=False) < ring_latency / 5
+    # A large message costs about the ring's 2(p-1)/p of its bytes, not the tree's twice.
+    large = 4e9
+    ring_bytes = 2 * 127 / 128 * large / min(cluster.intra_bytes_per_s, cluster.node_bytes_per_s)
+    assert cluster.message_seconds(large, hierarchical=False) <= ring_bytes + ring_latency
+
+
+def test_launches_stall_the_backward_pass_only_once_the_host_has_no_slack() -> None:
+    smallest, largest = Hyperparameters(16, False), Hyperparameters(29, False)
+    one_node = {"nodes": 1, "ranks_per_node": 2, "launch_cost": 5e-6, "overlap_speed": 1.0}
+    with_slack = _cluster(dispatch_share=0.05, **one_node)
+    busy_host = _cluster(dispatch_share=1.0, **one_node)
+    # 6,104 launches of 5 us (31 ms) fit in the host's slack, 95 % of a 0.2 s backward pass:
+    # the smallest buckets win, their last allreduce being the shortest exposed tail.
+    assert with_slack.step_seconds(smallest) < with_slack.step_seconds(largest)
+    # With no slack the launches add to the backward pass, and the largest bucket wins.
+    assert busy_host.step_seconds(smallest) > with_slack.step_seconds(smallest) + 0.025
+    assert busy_host.step_seconds(smallest) > busy_host.step_seconds(largest)
+
+
+def test_the_draws_put_the_best_bucket_size_across_the_whole_range() -> None:
+    positions = [optimum_position(landscape) for landscape in draw(TRAINING_SEED, 120)]
+    assert min(positions) < 0.1 and max(positions) > 0.9
+    for low in (0.0, 0.25, 0.5, 0.75):
+        assert any(low <= p < low + 0.25 for p in positions), low
+
+
+def test_a_draw_is_reproducible_from_its_seed_and_the_two_draws_differ() -> None:
+    first, again = draw(HELD_OUT_SEED, 5), draw(HELD_OUT_SEED, 5)
+    assert [ls.throughput for ls in first] == [ls.throughput for ls in again]
+    assert [ls.name for ls in first] != [ls.name for ls in draw(TRAINING_SEED, 5)]

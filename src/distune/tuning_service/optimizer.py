@@ -180,8 +180,13 @@ class GroupOptimizer:
         for hp in self._design:
             if hp not in self._scores:
                 return hp
-        # Greedy maximin: the unmeasured group farthest from every measured one. Sampled designs
-        # fall back to it once their points are used up or repeat measured groups.
+        # Greedy maximin: the unmeasured group farthest from every measured one, where the
+        # edges of the design's bucket range count as measured groups mirrored beyond them.
+        # Plain maximin on a line goes to its ends first, which hold the optimum no more
+        # often than any other stretch (the random draws put it anywhere); mirrored, the
+        # points land at the middles of equal stretches, as a centred Latin hypercube's do.
+        # Sampled designs fall back to it once their points are used up or repeat measured
+        # groups.
         low, high = self._design_sizes
         inside = [i for i in unmeasured if low <= self._groups[i].bucket_size_2p <= high]
         unmeasured = inside or unmeasured
@@ -190,6 +195,12 @@ class GroupOptimizer:
         distances = np.linalg.norm(candidates[:, None, :] - measured[None, :, :], axis=2).min(
             axis=1
         )
+        if BUCKET_SIZE_2P in self._space.tuned and high > low:
+            column = self._space.tuned.index(BUCKET_SIZE_2P)
+            span = self._space.max_bucket_size_2p - self._space.min_bucket_size_2p
+            edges = (np.array([low, high]) - self._space.min_bucket_size_2p) / span
+            x = candidates[:, column]
+            distances = np.minimum(distances, 2 * np.minimum(x - edges[0], edges[1] - x))
         farthest = np.flatnonzero(distances >= distances.max() - 1e-12)
         return self._groups[unmeasured[int(self._rng.choice(farthest))]]
 

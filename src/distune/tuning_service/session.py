@@ -231,6 +231,10 @@ class _Measurements(_Windows):
     #: Each sample's log score and window count: how far samples of one group disagree
     #: beyond their windows' noise (the job's conditions drift between samples).
     sample_means: list[tuple[float, int]] = field(default_factory=list)
+    #: The windows of the samples after the first. A group is confirmed because its first
+    #: sample scored high, which is partly luck (the best of many noisy scores); its gain is
+    #: claimed from these windows alone, which that selection did not see.
+    confirming: list[Window] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -240,6 +244,12 @@ class _Sample(_Windows):
     group: Group
     phase: Phase
     ended_early: bool = False
+    #: The window right after the switch to this sample (or the registration): not scored,
+    #: but it tells what a switch costs once the group's score is known.
+    switch: Window | None = None
+    #: The sample re-measures the best group or the default in a close call, and runs
+    #: ``close_call_time`` times as long.
+    close_call: bool = False
 
 
 #: A window's noise (standard deviation of its log rate) assumed before any group has two.
@@ -248,6 +258,8 @@ _PRIOR_WINDOW_SIGMA = 0.05
 _MIN_WINDOW_SIGMA = 0.005
 #: The median absolute deviation of normal noise times this is its standard deviation.
 _MAD_TO_SIGMA = 1.4826
+#: A switch window is judged less this many times the dearest switch measured so far.
+_SWITCH_ALLOWANCE = 2.0
 
 
 class TuningSession:
@@ -282,6 +294,10 @@ class TuningSession:
         self._best: Best | None = None
         self._converged = False
         self._invalid_windows = 0
+        # The most a switch has cost (seconds of a switch window beyond its group's speed);
+        # None until one is measured. The registration's window counts until a switch is.
+        self._switch_cost: float | None = None
+        self._switch_cost_from_switches = False
         # train_iter of the report that finished the sample whose successor is being chosen.
         self._pending: int | None = None
         self._verdict: str | None = None
@@ -325,33 +341,47 @@ class TuningSession:
         if self._state is State.WARMUP:
             self._account_warmup(report)
             return self.view.reply, []
-        if self._discard_next:
-            self._discard_next = False
+        if not self._account(report):
             return self.view.reply, []
-        self._check_unit(report)
-        sample = self._sample
-        count = report.iterations if report.samples is None else report.samples
-        sample.windows.append(Window(count, report.iterations, report.seconds))
-        if len(sample.windows) > self.config.max_windows:
-            self._set_stalls_aside()  # before merging, which would blur them into their neighbours
-            sample.windows = bounded(sample.windows, self.config.max_windows)
-        if self._clearly_worse():
-            sample.ended_early = True
-        else:
-            if not self._sample_complete():
-                return self.view.reply, []
-            # Stalls are judged once the sample looks complete, when the most evidence is in;
-            # the windows they leave must then still make a complete sample.
-            self._set_stalls_aside()
-            if not self._sample_complete():
-                return self.view.reply, []
         records = self._finish_sample(report.train_iter)
         if decide:
             records += self.apply(self.choose_next())
         return self.view.reply, records
 
+    def _account(self, report: Report) -> bool:
+        """Add a report's window to the current sample; returns whether the sample is over."""
+        sample = self._sample
+        count = report.iterations if report.samples is None else report.samples
+        window = Window(count, report.iterations, report.seconds)
+        if self._discard_next:
+            self._discard_next = False
+            sample.switch = window
+            if not self._hopeless(window):
+                return False
+            self._check_unit(report)
+            sample.windows.append(window)  # the sample is scored with the one window it has
+            sample.ended_early = True
+            return True
+        self._check_unit(report)
+        sample.windows.append(window)
+        if len(sample.windows) > self.config.max_windows:
+            self._set_stalls_aside()  # before merging, which would blur them into their neighbours
+            sample.windows = bounded(sample.windows, self.config.max_windows)
+        if self._clearly_worse():
+            sample.ended_early = True
+            return True
+        if not self._sample_complete():
+            return False
+        # Stalls are judged once the sample looks complete, when the most evidence is in; the
+        # windows they leave must then still make a complete sample.
+        self._set_stalls_aside()
+        return self._sample_complete()
+
     def _account_warmup(self, report: Report) -> None:
         self._discard_next = False  # warmup ignores windows anyway
+        if self._sample.switch is None:  # the job's first window: what starting up costs
+            count = report.iterations if report.samples is None else report.samples
+            self._sample.switch = Window(count, report.iterations, report.seconds)
         self._warmup_seconds += report.seconds
         if self._warmup_seconds >= self.config.warmup_time:
             self._state = State.SAMPLING
@@ -392,10 +422,43 @@ class TuningSession:
         else:
             hp, phase = choice
             self._group = Group(self._group.id + 1, hp)
-            self._sample = _Sample(group=self._group, phase=phase)
+            self._sample = _Sample(
+                group=self._group,
+                phase=phase,
+                close_call=phase is Phase.CONFIRM and self._close_call(hp),
+            )
             self._discard_next = True
         self.view = self._make_view()
         return records
+
+    def _hopeless(self, switch: Window) -> bool:
+        """Whether an exploring sample is hopeless from its switch window alone: even less
+        twice the dearest switch measured so far, the window ran ``hopeless_slowdown`` times
+        slower than the best group's score. A switch window is one iteration (the worker's
+        schedule), so the job has lost little; the judgement waits until a switch's cost is
+        known (the registration's window stands in for it until then)."""
+        config = self.config
+        if (
+            config.hopeless_slowdown == 0
+            or self._sample.phase not in (Phase.INITIAL, Phase.BAYES)
+            or self._best is None
+            or self._switch_cost is None
+        ):
+            return False
+        working = switch.seconds - _SWITCH_ALLOWANCE * self._switch_cost
+        return working > config.hopeless_slowdown * switch.count / self._best.score
+
+    def _learn_switch_cost(self, sample: _Sample, score: float) -> None:
+        """What the sample's switch window cost beyond its group's speed, once the score is
+        known; the registration's window counts only until a real switch is measured."""
+        if sample.switch is None or any(w is sample.switch for w in sample.windows):
+            return  # no switch window, or the sample was scored with it
+        cost = max(0.0, sample.switch.seconds - sample.switch.count / score)
+        is_switch = sample.phase is not Phase.DEFAULT or bool(self._records)
+        if is_switch and not self._switch_cost_from_switches:
+            self._switch_cost, self._switch_cost_from_switches = cost, True
+        elif is_switch or self._switch_cost is None:
+            self._switch_cost = max(cost, self._switch_cost or 0.0)
 
     def _clearly_worse(self) -> bool:
         """Whether the sample so far is hopeless: an exploring sample with its first
@@ -436,10 +499,14 @@ class TuningSession:
     def _sample_sigma(self, window_sigma: float) -> float:
         """The standard deviation of a sample's mean log rate beyond its windows' noise:
         from groups measured in several samples, the spread of their sample means less what
-        the window noise explains (0 until a group has two samples)."""
+        the window noise explains (0 until a group has two such samples). A group other than
+        the default was measured again because its first sample scored high, partly by luck:
+        that sample would inflate the spread, so only the later ones count."""
         excess, freedom = 0.0, 0
-        for measured in self._measurements.values():
+        for hp, measured in self._measurements.items():
             means = measured.sample_means
+            if hp != self.space.default:
+                means = means[1:]
             if len(means) >= 2:
                 centre = statistics.fmean(m for m, _ in means)
                 for mean, count in means:
@@ -470,11 +537,11 @@ class TuningSession:
         return math.expm1(delta), (math.expm1(delta - half), math.expm1(delta + half))
 
     def _sample_complete(self) -> bool:
-        sample = self._sample
-        return (
-            sample.seconds >= self.config.sampling_confidence_time
-            and sample.reports >= self.config.min_windows
-        )
+        sample, config = self._sample, self.config
+        length = config.sampling_confidence_time
+        if sample.close_call:
+            length *= config.close_call_time
+        return sample.seconds >= length and sample.reports >= config.min_windows
 
     def _set_stalls_aside(self) -> None:
         """Drop the current sample's stalled windows (see :func:`split_stalls`), compared with
@@ -505,8 +572,13 @@ class TuningSession:
         score = sample.score
         measured = self._measurements.setdefault(hp, _Measurements())
         measured.windows = bounded(measured.windows + sample.windows, self.config.max_windows)
+        if measured.samples:
+            measured.confirming = bounded(
+                measured.confirming + sample.windows, self.config.max_windows
+            )
         measured.invalid += sample.invalid
         measured.samples += 1
+        self._learn_switch_cost(sample, score)
         if sample.windows:
             # The sample's own robust score: a stall in one window moves it no more than the
             # score the group is judged by.
@@ -547,21 +619,35 @@ class TuningSession:
         groups (measured in at least two samples), or among all while none is. A group
         measured once can be high by luck (the best of many noisy samples is biased upwards);
         when the budget runs out after confirmations knocked the leaders down, such a group
-        must not win over one whose score has survived a second look."""
-        default_score = self._measurements[self.space.default].score
+        must not win over one whose score has survived a second look. Its score and gain are
+        those of its confirming samples once it has any (the winner's curse, see
+        :class:`_Measurements`)."""
+        default = self.space.default
         confirmed = {hp: m for hp, m in self._measurements.items() if m.samples >= 2}
         candidates = confirmed or self._measurements
         hp, measured = max(candidates.items(), key=lambda item: item[1].score)
         group = self._latest_group(hp)
-        interval = self._gain_interval(measured.windows, measured.score, measured.samples)
-        assert interval is not None  # the default group is measured first
-        return Best(
-            group,
-            measured.score,
-            measured.score / default_score - 1.0,
-            _half_width(interval[1]),
-            interval[1],
-        )
+        windows = measured.confirming if measured.confirming and hp != default else None
+        if windows is None:
+            windows, samples = measured.windows, measured.samples
+        else:
+            samples = measured.samples - 1
+        score = robust_throughput([w.rate for w in windows])
+        gain = self._gain_interval(windows, score, samples)
+        assert gain is not None  # the default group is measured first
+        return Best(group, score, gain[0], _half_width(gain[1]), gain[1])
+
+    def _close_call(self, hp: Hyperparameters) -> bool:
+        """Whether a confirmation of ``hp`` runs ``close_call_time`` times as long: one of the
+        best group (its gain is claimed from its confirming samples alone), or of the default
+        while the best's gain is not measurable. The budget counts samples, and a sample of
+        the best group costs nothing while tuning."""
+        best = self._best
+        if best is None or best.group.hyperparameters == self.space.default:
+            return False
+        if hp == best.group.hyperparameters:
+            return True
+        return hp == self.space.default and not best.measurably_faster
 
     def _latest_group(self, hp: Hyperparameters) -> Group:
         if self._group.hyperparameters == hp:
@@ -612,9 +698,14 @@ class TuningSession:
         )
 
     def _contenders_to_confirm(self) -> list[Hyperparameters]:
-        """The best group and its runners-up within the margin, if measured only once."""
+        """The best group and its runners-up within the margin, if measured only once and
+        scored above every confirmed group: one below a confirmed group could not be chosen
+        over it, and confirming it would take a sample from the comparison with the default
+        that decides the choice."""
         ranked = sorted(self._measurements.items(), key=lambda item: item[1].score, reverse=True)
         floor = ranked[0][1].score * (1.0 - self.config.confirm_margin)
+        confirmed = [m.score for m in self._measurements.values() if m.samples >= 2]
+        floor = max(floor, *confirmed) if confirmed else floor
         contenders = [hp for hp, m in ranked[: self.config.confirm_top] if m.score >= floor]
         return [hp for hp in contenders if self._measurements[hp].samples < 2]
 
@@ -671,21 +762,29 @@ class TuningSession:
         if not self._best.measurably_faster:
             # Too close to call: while budget remains, measure whichever of the two has fewer
             # windows, narrowing the interval, rather than complete on a gain within the noise.
-            return min((best, default), key=lambda hp: len(self._measurements[hp].windows)), (
-                Phase.CONFIRM
-            )
+            # The best group's gain is claimed from its confirming windows only.
+            measured = self._measurements
+            windows = {
+                best: len(measured[best].confirming),
+                default: len(measured[default].windows),
+            }
+            return min((best, default), key=windows.__getitem__), Phase.CONFIRM
         return None
 
     def _sample_cost(self) -> Callable[[np.ndarray], np.ndarray] | None:
         """The cost of measuring a group that runs ``slowdown`` times slower than the best
         one, relative to a full sample: at least a full sample's time, and at least the
-        iterations of a sample ended early (the switch's window and ``early_end_windows``) at
-        that group's speed (None: the optimizer's cost-aware setting is off)."""
+        iterations of a sample ended early at that group's speed: its one-iteration switch
+        window, the window after it (the job learns of the end one window late) and, unless
+        the switch window can end it (``hopeless_slowdown``), ``early_end_windows`` more
+        (None: the optimizer's cost-aware setting is off)."""
         if not self.config.optimizer.cost_aware or self._best is None:
             return None
         best = self._measurements[self._best.group.hyperparameters]
         step = best.seconds / max(1, best.iterations)
-        iterations = 1 + max(1, self.config.early_end_windows)
+        iterations = 2
+        if not self.config.hopeless_slowdown:
+            iterations += max(1, self.config.early_end_windows)
         floor = self.config.sampling_confidence_time
 
         def cost(slowdown: np.ndarray) -> np.ndarray:

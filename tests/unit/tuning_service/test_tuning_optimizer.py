@@ -107,13 +107,26 @@ def _initial_design(settings: OptimizerSettings, seed: int) -> list[Hyperparamet
 @pytest.mark.parametrize("seed", range(5))
 def test_the_initial_design_keeps_to_at_most_2_to_the_8_buckets_or_covers_the_range(seed):
     """A 2^30-byte model: at most 2^8 buckets means buckets of 2^22 and up. The design keeps
-    there, both shapes included, and reaches the top; without the prior it reaches 2^16."""
+    there, both shapes included; without the prior it reaches below 2^22."""
     design = _initial_design(OptimizerSettings(), seed)
     assert len(design) == 3
     assert all(22 <= hp.bucket_size_2p <= 30 for hp in design)
     assert {hp.is_hierarchical_reduce for hp in design} == {False, True}
     whole = _initial_design(OptimizerSettings(design_max_buckets_2p=None), seed)
-    assert min(hp.bucket_size_2p for hp in whole) == 16
+    assert min(hp.bucket_size_2p for hp in whole) < 22
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_initial_design_spreads_over_the_middles_of_the_range_not_its_ends(seed):
+    """Greedy maximin with the range's ends mirrored: the first point on the other shape lies
+    at the middle of the range, and none at its ends, which hold the optimum no more often
+    than any other stretch."""
+    whole = _initial_design(OptimizerSettings(design_max_buckets_2p=None, initial_points=6), seed)
+    assert len(whole) == 5
+    assert whole[0] == Hyperparameters(23, True)  # the middle of 2^16..2^30
+    assert all(16 < hp.bucket_size_2p < 30 for hp in whole)
+    sizes = sorted(hp.bucket_size_2p for hp in [LARGE.default, *whole])
+    assert sizes[-1] - sizes[0] >= 7  # spread, not bunched
 
 
 @pytest.mark.parametrize(

@@ -85,8 +85,15 @@ def test_a_sample_needs_both_its_time_and_its_windows():
 
 
 def test_first_window_after_a_switch_is_discarded():
-    # A steady 80 against 100 would end early (see the early-end tests): measured in full here.
-    config = TuningConfig(sampling_confidence_time=3.0, warmup_time=0, seed=1, early_end_windows=0)
+    # A steady 80 against 100 would end early, and so would a switch window this slow without
+    # a switch cost measured before it (see the early-end tests): measured in full here.
+    config = TuningConfig(
+        sampling_confidence_time=3.0,
+        warmup_time=0,
+        seed=1,
+        early_end_windows=0,
+        hopeless_slowdown=0,
+    )
     s = session(config)
     for _ in range(4):
         window(s, 100.0)
@@ -303,8 +310,14 @@ def test_a_group_measured_once_cannot_win_over_a_confirmed_one_when_the_budget_r
     measured = [100.0, 130.0, 128.0, 122.0, 110.0, 105.0]  # the rate of sample 1, 2, ...
     # Samples this far apart for one group make a wide interval on the gain: a low confidence
     # keeps +20% measurable, so the choice shown is the confirmed group's, not the default's.
+    # Confirmations as long as other samples, so the pooled scores below weigh them alike.
     config = TuningConfig(
-        max_samples=6, sampling_confidence_time=3.0, warmup_time=0, seed=3, gain_confidence=0.5
+        max_samples=6,
+        sampling_confidence_time=3.0,
+        warmup_time=0,
+        seed=3,
+        gain_confidence=0.5,
+        close_call_time=1.0,
     )
     s = session(config)
     while s.view.state is not State.COMPLETED:
@@ -315,11 +328,12 @@ def test_a_group_measured_once_cannot_win_over_a_confirmed_one_when_the_budget_r
     assert [r.group.hyperparameters for r in samples[4:]] == [a, b]
     # Pooled, a scores 120 (trimmed mean of 130, 130, 110, 110) and b 116.5: below the lucky
     # group's single 122, which the best score alone would choose.
-    assert final.score == pytest.approx(120.0)
     assert samples[3].score == pytest.approx(122.0)
     assert final.group.hyperparameters == a != lucky
     assert s.view.best.group == s.view.current == final.group
-    assert final.gain_vs_default == pytest.approx(0.2)
+    # Its score and gain are its confirming sample's, which chose nothing: 110, +10%.
+    assert final.score == pytest.approx(110.0)
+    assert final.gain_vs_default == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("share, groups", [(0.0, 8), (0.5, 10)])
