@@ -7,19 +7,32 @@ learn and nothing to download. Launch it like any torchrun script::
 
     distune-run --nproc_per_node 2 --autotune_level 1 examples/train_gpt.py --seconds 120
 
+It takes every knob through ``distune.prepare``: the model and optimizer it trains with, the
+micro-batch and the accumulation steps. Without level 2 those are its own (``--batch-size``
+sequences per rank per forward, ``--grad-accum`` forwards per optimizer step, distune's DDP,
+tuned online at level 1). Level 2 tunes them, keeping the global batch (``--batch-size x
+--grad-accum x ranks``) and splitting it differently, and also tries the ZeRO stages and
+activation checkpointing::
+
+    distune-run --nproc_per_node 2 --autotune_level 2 examples/train_gpt.py --steps 200 \
+        --width 128 --context 32 --batch-size 2 --grad-accum 8
+
 ``--engine torch`` trains the same model under ``torch.nn.parallel.DistributedDataParallel`` at
-its defaults instead, for a side-by-side comparison (launch it with torchrun or distune-run).
+its defaults instead, for a side-by-side comparison (launch it with torchrun or distune-run;
+nothing is tuned then).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 import distune
-from job import Budget, Progress, join, leave
+from job import Budget, Job, Progress, join, leave
 
 
 class GPT(nn.Module):
@@ -80,11 +93,29 @@ class MarkovText:
         return tokens
 
 
-def describe(ddp: nn.Module) -> str:
-    """The communication settings in use, as the progress lines show them."""
-    if isinstance(ddp, nn.parallel.DistributedDataParallel):
-        return f"torch DDP, {ddp.bucket_bytes_cap / 2**20:g} MiB buckets, flat"
-    return ddp.hyperparameters.describe()
+@dataclass(frozen=True)
+class Training:
+    """What the loop trains with: the model and optimizer, and how a step splits its batch."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    strategy: str
+
+    def accumulate(self, micro_step: int) -> contextlib.AbstractContextManager[None]:
+        """Around micro-step ``micro_step``: gradients are averaged only in the last one."""
+        if micro_step < self.gradient_accumulation_steps - 1:
+            return self.model.no_sync()  # type: ignore[operator,no-any-return]
+        return contextlib.nullcontext()
+
+    def describe(self) -> str:
+        """The settings in use, as the progress lines show them."""
+        if isinstance(self.model, nn.parallel.DistributedDataParallel):
+            return f"torch DDP, {self.model.bucket_bytes_cap / 2**20:g} MiB buckets, flat"
+        if isinstance(self.model, distune.DistributedDataParallel):
+            return f"{self.strategy}, {self.model.hyperparameters.describe()}"
+        return self.strategy
 
 
 def parse_args() -> argparse.Namespace:
@@ -96,14 +127,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per forward")
+    parser.add_argument("--grad-accum", type=int, default=1, help="forwards per optimizer step")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=float, default=5.0, help="seconds between log lines")
     parser.add_argument(
         "--engine",
         choices=("distune", "torch"),
         default="distune",
-        help="data-parallel wrapper: distune's (default) or torch's DDP at its defaults",
+        help="data-parallel wrapper: distune's through distune.prepare (default) or torch's DDP "
+        "at its defaults",
     )
     args = parser.parse_args()
     if args.steps is None and args.seconds is None:
@@ -111,33 +145,64 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def wrap(args: argparse.Namespace, model: nn.Module, job: Job) -> Training:
+    """The model and optimizer to train with: from ``distune.prepare``, or torch's DDP."""
+    if args.engine == "torch":
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=job.device_ids)
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
+        return Training(ddp, optimizer, args.batch_size, args.grad_accum, "torch DDP")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    run = distune.prepare(
+        model,
+        optimizer,
+        micro_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        name="gpt",
+    )
+    return Training(
+        run.model,
+        run.optimizer,
+        run.micro_batch_size,
+        run.gradient_accumulation_steps,
+        run.strategy + (" + checkpointing" if run.activation_checkpointing else ""),
+    )
+
+
 def main() -> None:
     args = parse_args()
     job = join()
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     model = GPT(args.vocab, args.context, args.width, args.layers, args.heads).to(job.device)
-    if args.engine == "torch":
-        ddp = nn.parallel.DistributedDataParallel(model, device_ids=job.device_ids)
-    else:
-        ddp = distune.DistributedDataParallel(model, name="gpt", device_ids=job.device_ids)
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
-    text = MarkovText(args.vocab, job.device, seed=0, rank=job.rank)
+    count = sum(p.numel() for p in model.parameters())
+    run = wrap(args, model, job)
+    # Each rank draws its own stream of whole optimizer steps: the same samples whatever the
+    # split into micro-batches, so every configuration trains the same model.
+    text = MarkovText(args.vocab, job.device, seed=args.seed, rank=job.rank)
+    per_step = run.micro_batch_size * run.gradient_accumulation_steps
     if job.rank == 0:
-        count = sum(p.numel() for p in model.parameters())
-        print(f"GPT with {count / 1e6:.2f}M parameters on {job.world_size} ranks", flush=True)
-
+        print(
+            f"GPT with {count / 1e6:.2f}M parameters on {job.world_size} ranks: {run.strategy}, "
+            f"micro-batch {run.micro_batch_size} x {run.gradient_accumulation_steps}",
+            flush=True,
+        )
     budget = Budget(job, args.steps, args.seconds)
     progress = Progress(job, args.log_every)
     step = 0
+    loss = torch.zeros(())
     while not budget.exhausted(step):
-        tokens = text.batch(args.batch_size, args.context)
-        logits = ddp(tokens[:, :-1])
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        tokens = text.batch(per_step, args.context)
+        total = torch.zeros((), device=job.device)
+        for micro, chunk in enumerate(tokens.split(run.micro_batch_size)):
+            with run.accumulate(micro):
+                logits = run.model(chunk[:, :-1])
+                loss = nn.functional.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten())
+                (loss / run.gradient_accumulation_steps).backward()
+            total += loss.detach() / run.gradient_accumulation_steps
+        run.optimizer.step()
+        run.optimizer.zero_grad()
         step += 1
-        progress.step(step, loss, describe(ddp))
+        loss = total
+        progress.step(step, loss, run.describe())
     progress.done(step, loss)
     leave()
 

@@ -7,11 +7,21 @@ any torchrun script, for example::
 
 Each rank draws its own inputs; the targets come from a fixed random "teacher" network that every
 rank builds from the same seed, so the loss falls as the model learns it.
+
+It takes its batch as flags (``--batch-size`` samples per rank per forward, ``--grad-accum``
+forwards per optimizer step, accumulated under ``no_sync``) and never calls the level-2 API:
+it only wraps its model in ``distune.DistributedDataParallel``. Level 2 tunes its micro-batch
+and accumulation through ``arg_mappings``, which rewrite those flags in each trial (the global
+batch kept; strategies need ``distune.prepare``, as in ``train_gpt.py``)::
+
+    distune-run --nproc_per_node 2 --autotune_level 2 \
+        --autotune_config examples/level2_arg_mappings.yaml examples/train_mlp.py --steps 300
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 from torch import nn
@@ -38,7 +48,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=1024, help="hidden units per layer")
     parser.add_argument("--depth", type=int, default=4, help="hidden layers")
     parser.add_argument("--features", type=int, default=256, help="input and output size")
-    parser.add_argument("--batch-size", type=int, default=32, help="samples per rank per step")
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per rank per forward")
+    parser.add_argument("--grad-accum", type=int, default=1, help="forwards per optimizer step")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--log-every", type=float, default=5.0, help="seconds between log lines")
     args = parser.parse_args()
@@ -61,10 +72,16 @@ def main() -> None:
     progress = Progress(job, args.log_every)
     step = 0
     while not budget.exhausted(step):
-        inputs = torch.randn(args.batch_size, args.features, generator=data, device=job.device)
-        loss = nn.functional.mse_loss(ddp(inputs), teacher(inputs))
         optimizer.zero_grad()
-        loss.backward()
+        for micro in range(args.grad_accum):
+            # Gradients are averaged over the ranks in the last micro-step only.
+            last = micro == args.grad_accum - 1
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                inputs = torch.randn(
+                    args.batch_size, args.features, generator=data, device=job.device
+                )
+                loss = nn.functional.mse_loss(ddp(inputs), teacher(inputs))
+                (loss / args.grad_accum).backward()
         optimizer.step()
         step += 1
         progress.step(step, loss, ddp.hyperparameters.describe())

@@ -42,12 +42,12 @@ from skopt.space import Integer, Real
 from skopt.utils import cook_estimator
 
 from benchmarks.tuner_quality.landscapes import Landscape
-from benchmarks.tuner_quality.measurement import NoiseModel, SimulatedJob
+from benchmarks.tuner_quality.measurement import LaggedAnswers, NoiseModel, SimulatedJob
 from distune.space import Hyperparameters, SearchSpace
 from distune.tuning_service.config import TuningConfig
 from distune.tuning_service.messages import Report
 from distune.tuning_service.score import robust_throughput
-from distune.tuning_service.session import Phase, State, TuningSession
+from distune.tuning_service.session import Phase, StaleGroupError, State, TuningSession
 
 #: Horovod's seed points for the fusion threshold (parameter_manager.cc), as log2 bytes.
 HOROVOD_SEED_2P = (22, 25, 24, 23)  # 4, 32, 16, 8 MiB
@@ -100,11 +100,18 @@ class DistuneTuner:
         choices: list[Hyperparameters] = []
         progress: list[tuple[int, float]] = []
         start = (0, 0.0)  # the job's counters when warmup ends: tuning's cost starts there
+        # The leader runs the answers it has at each sync point, which lag the reports.
+        answers = LaggedAnswers(session.view.current, noise.answer_seconds)
         while session.view.state is not State.COMPLETED:
-            group = session.view.current
+            group = answers.latest(job.seconds)
             warming = session.view.state is State.WARMUP
             iterations, seconds = job.window(group.hyperparameters)
-            _, records = session.report(Report(group.id, job.train_iter, iterations, seconds))
+            report = Report(group.id, job.train_iter, iterations, seconds)
+            try:
+                reply, records = session.report(report)
+            except StaleGroupError as stale:  # a window of the group before a switch
+                reply, records = stale.reply, []
+            answers.post(job.seconds, reply.group)
             if warming:
                 start = (job.train_iter, job.seconds)
             for record in records:

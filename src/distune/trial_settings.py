@@ -19,10 +19,12 @@ MICRO_BATCH = "DISTUNE_MICRO_BATCH"
 ACCUMULATION = "DISTUNE_ACCUMULATION"
 ZERO_STAGE = "DISTUNE_ZERO_STAGE"
 CHECKPOINTING = "DISTUNE_CHECKPOINTING"
+BF16 = "DISTUNE_BF16"
 DEVICE_MEMORY = "DISTUNE_DEVICE_MEMORY"
 TRIAL_DIR = "DISTUNE_TRIAL_DIR"
 WARMUP_STEPS = "DISTUNE_TRIAL_WARMUP_STEPS"
 MEASURED_STEPS = "DISTUNE_TRIAL_STEPS"
+COLLECTIVE_TIMEOUT = "DISTUNE_TRIAL_COLLECTIVE_TIMEOUT"
 
 #: Every variable, with what it means, as the README lists them.
 VARIABLES = {
@@ -30,10 +32,12 @@ VARIABLES = {
     ACCUMULATION: "level 2: gradient accumulation steps per optimizer step",
     ZERO_STAGE: "level 2: 0 = DDP, 1 = ZeRO-1, 2 = FSDP SHARD_GRAD_OP, 3 = FSDP FULL_SHARD",
     CHECKPOINTING: "level 2: activation checkpointing of repeated blocks (1) or not (0)",
+    BF16: "level 2: bf16 mixed precision (1: autocast, or FSDP's MixedPrecision) or not (0)",
     DEVICE_MEMORY: "cap on each rank's live tensor bytes; over it a step raises OutOfMemoryError",
     TRIAL_DIR: "level 2: this run is a trial; its ranks write results here and end",
     WARMUP_STEPS: "level 2: optimizer steps a trial runs before measuring (default 2)",
     MEASURED_STEPS: "level 2: optimizer steps a trial measures (default 5)",
+    COLLECTIVE_TIMEOUT: "level 2: seconds a trial's collective waits for a peer rank, then fails",
 }
 
 
@@ -53,6 +57,8 @@ class TrialSettings:
     trial_dir: Path | None = None
     warmup_steps: int = 2
     measured_steps: int = 5
+    bf16: bool | None = None
+    collective_timeout: int | None = None
 
     def __post_init__(self) -> None:
         for name, value, low in (
@@ -61,6 +67,7 @@ class TrialSettings:
             (DEVICE_MEMORY, self.device_memory, 1),
             (WARMUP_STEPS, self.warmup_steps, 0),
             (MEASURED_STEPS, self.measured_steps, 2),
+            (COLLECTIVE_TIMEOUT, self.collective_timeout, 1),
         ):
             if value is not None and value < low:
                 raise TrialSettingsError(f"{name} must be at least {low}, got {value}")
@@ -79,6 +86,7 @@ class TrialSettings:
             ACCUMULATION: self.accumulation,
             ZERO_STAGE: self.stage,
             CHECKPOINTING: None if self.checkpointing is None else int(self.checkpointing),
+            BF16: None if self.bf16 is None else int(self.bf16),
             DEVICE_MEMORY: self.device_memory,
             TRIAL_DIR: self.trial_dir,
         }
@@ -86,6 +94,8 @@ class TrialSettings:
         if self.is_trial:
             env[WARMUP_STEPS] = str(self.warmup_steps)
             env[MEASURED_STEPS] = str(self.measured_steps)
+            if self.collective_timeout is not None:
+                env[COLLECTIVE_TIMEOUT] = str(self.collective_timeout)
         return env
 
     @classmethod
@@ -93,19 +103,20 @@ class TrialSettings:
         """Read the settings from ``environ`` (default: this process's environment)."""
         environ = os.environ if environ is None else environ
         defaults = cls()
-        checkpointing = _int(environ, CHECKPOINTING)
-        if checkpointing not in (None, 0, 1):
-            raise TrialSettingsError(f"{CHECKPOINTING} must be 0 or 1, got {checkpointing}")
+        checkpointing = _switch(environ, CHECKPOINTING)
+        bf16 = _switch(environ, BF16)
         trial_dir = environ.get(TRIAL_DIR, "").strip()
         return cls(
             micro_batch=_int(environ, MICRO_BATCH),
             accumulation=_int(environ, ACCUMULATION),
             stage=_int(environ, ZERO_STAGE),
-            checkpointing=None if checkpointing is None else bool(checkpointing),
+            checkpointing=checkpointing,
             device_memory=_int(environ, DEVICE_MEMORY),
+            bf16=bf16,
             trial_dir=Path(trial_dir) if trial_dir else None,
             warmup_steps=_or(_int(environ, WARMUP_STEPS), defaults.warmup_steps),
             measured_steps=_or(_int(environ, MEASURED_STEPS), defaults.measured_steps),
+            collective_timeout=_int(environ, COLLECTIVE_TIMEOUT),
         )
 
 
@@ -117,6 +128,13 @@ def _int(environ: Mapping[str, str], name: str) -> int | None:
         return int(text)
     except ValueError:
         raise TrialSettingsError(f"{name} must be an integer, got {text!r}") from None
+
+
+def _switch(environ: Mapping[str, str], name: str) -> bool | None:
+    value = _int(environ, name)
+    if value not in (None, 0, 1):
+        raise TrialSettingsError(f"{name} must be 0 or 1, got {value}")
+    return None if value is None else bool(value)
 
 
 def _or(value: int | None, default: int) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from distune.launcher.options import parse, trial_pins
-from tests.e2e.conftest import SCRIPTS
+from tests.e2e.conftest import REPO, SCRIPTS
 
 pytestmark = pytest.mark.slow
 WORKER = str(SCRIPTS / "level2_worker.py")
@@ -117,4 +117,39 @@ def test_sigint_during_a_trial_leaves_nothing_behind(launch, tmp_path):
     assert all(p.exists() for p in ranks), run.output
     run.process.send_signal(signal.SIGINT)
     assert run.wait(timeout=60) == 128 + signal.SIGINT, run.output
+    assert run.leftovers() == []
+
+
+def test_a_script_without_prepare_is_tuned_through_arg_mappings_only(launch, tmp_path):
+    # examples/train_mlp.py only wraps its model in distune.DistributedDataParallel; the example
+    # config maps its --batch-size and --grad-accum. Its own 2 x 4 on 2 ranks: global batch 16.
+    results = tmp_path / "results"
+    config = str(REPO / "examples" / "level2_arg_mappings.yaml")
+    argv = level2(results, "--autotune_max_trials", "3", "--autotune_mode", "tune")
+    mlp = [str(REPO / "examples" / "train_mlp.py"), "--width", "64", "--depth", "2"]
+    batch = ["--batch-size", "2", "--grad-accum", "4", "--steps", "50"]
+    run = launch([*argv, "--autotune_config", config, *mlp, *batch])
+    assert run.wait(timeout=240) == 0, run.output
+    assert "measured through distune.DistributedDataParallel" in run.output
+    profile, search, remeasure = trials(results)
+    assert remeasure["purpose"] == "remeasure" and remeasure["outcome"] == "ok"
+    assert profile["config"] == {  # learned from the wrapper's forwards
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 4,
+        "train_batch_size": 16,
+        "zero_optimization": {"stage": 0},
+        "activation_checkpointing": False,
+        "bf16": {"enabled": False},
+    }
+    assert profile["outcome"] == search["outcome"] == "ok"
+    # Only DDP without checkpointing; the global batch held by the largest micro-batch that
+    # fits, written into both flags (a script running anything else would end as a crash).
+    assert search["config"] == {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": 16,
+        "zero_optimization": {"stage": 0},
+        "activation_checkpointing": False,
+        "bf16": {"enabled": False},
+    }
     assert run.leftovers() == []

@@ -196,3 +196,45 @@ def test_the_dashboard_files_are_served_without_the_token_and_the_data_is_not(se
     assert (
         requests.get(service.url + "/api/v1/status?token=" + TOKEN, timeout=10).status_code == 401
     )
+
+
+def test_the_dashboard_shows_level2_trials_and_the_best(service, browser):
+    http = requests.Session()
+    http.headers["Authorization"] = f"Bearer {TOKEN}"
+
+    def post(path, body):
+        response = http.post(f"{service.url}/api/v1/trials{path}", json=body, timeout=10)
+        assert response.status_code == 200, response.text
+
+    wait = WebDriverWait(browser, 20)
+    browser.get(f"{service.url}/?token={TOKEN}")
+    wait.until(ec.text_to_be_present_in_element((By.ID, "connection"), "updated"))
+    assert browser.find_element(By.ID, "trials").is_displayed() is False  # no trial yet
+    knobs = {"micro_batch": 4, "accumulation": 2, "stage": 1, "checkpointing": False}
+    for trial, (outcome, rate) in enumerate((("ok", 75.25), ("oom", None), ("ok", 81.0))):
+        config = {"train_micro_batch_size_per_gpu": 2 + trial, "gradient_accumulation_steps": 2,
+                  "zero_optimization": {"stage": trial % 2}, "activation_checkpointing": False}  # fmt: skip
+        spec = {"trial": trial, "nnodes": 2, "purpose": "search", "knobs": knobs,
+                "master_port": 29600, "config": config}  # fmt: skip
+        post("", spec)
+        for node in (0, 1):
+            post(f"/{trial}/nodes/{node}", {"outcome": outcome, "duration": 3.0})
+        record = {"trial": trial, "purpose": "search", "config": config, "outcome": outcome,
+                  "throughput": rate,
+                  "predicted_memory_bytes": 3 * 2**20, "peak_memory_bytes": 2**21,
+                  "error": "Traceback\nOutOfMemoryError: over the cap" if rate is None else None}  # fmt: skip
+        post(f"/{trial}/record", record)
+    post("/finish", {"mode": "run", "chosen": 2, "knobs": knobs})
+    rows = "#trials-table tbody tr"
+    wait.until(lambda _: len(browser.find_elements(By.CSS_SELECTOR, rows)) == 3)
+    headline = browser.find_element(By.ID, "trials-headline").text
+    assert headline == "finished on 2 nodes; 3 trials recorded; chosen: trial 2"
+    cells = [
+        [cell.text for cell in row.find_elements(By.TAG_NAME, "td")]
+        for row in browser.find_elements(By.CSS_SELECTOR, rows)
+    ]
+    assert cells[0][:6] == ["0", "search", "ddp", "2 x 2", "ok", "75.25 samples/s"]
+    assert cells[0][7:9] == ["3.0 MiB", "2.0 MiB"]  # predicted, then measured peak
+    assert cells[1][4] == "oom" and cells[1][9] == "OutOfMemoryError: over the cap"
+    best = browser.find_elements(By.CSS_SELECTOR, f"{rows}.best")
+    assert [row.find_element(By.TAG_NAME, "td").text for row in best] == ["2"]

@@ -18,6 +18,7 @@ from torch import nn
 import distune
 from distune.trial_settings import (
     ACCUMULATION,
+    BF16,
     CHECKPOINTING,
     DEVICE_MEMORY,
     MICRO_BATCH,
@@ -61,10 +62,11 @@ class Net(nn.Module):
         return self.out(x)
 
 
-def train(stage: int, checkpointing: bool, micro: int) -> list[float]:
+def train(stage: int, checkpointing: bool, micro: int, bf16: bool = False) -> list[float]:
     """Losses of STEPS optimizer steps on this rank's fixed data, under one configuration."""
     os.environ.update(
         {
+            BF16: str(int(bf16)),
             ZERO_STAGE: str(stage),
             CHECKPOINTING: str(int(checkpointing)),
             MICRO_BATCH: str(micro),
@@ -75,8 +77,10 @@ def train(stage: int, checkpointing: bool, micro: int) -> list[float]:
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    run = distune.prepare(model, optimizer, micro_batch_size=PER_RANK, name=f"net{stage}{micro}")
+    name = f"net{stage}{micro}{'b' if bf16 else ''}"
+    run = distune.prepare(model, optimizer, micro_batch_size=PER_RANK, name=name)
     assert (run.micro_batch_size, run.gradient_accumulation_steps) == (micro, PER_RANK // micro)
+    assert run.bf16 == bf16
     data = torch.Generator().manual_seed(100 + rank)
     x, y = torch.randn(PER_RANK, 8, generator=data), torch.randn(PER_RANK, 1, generator=data)
     losses = []
@@ -108,6 +112,13 @@ def strategies_train_the_same_model(out: Path) -> dict:
 
 
 @scenario
+def bf16_strategies_train_the_same_model(out: Path) -> dict:
+    configs = [(0, False, 4), (0, False, 1), (1, False, 2), (2, False, 4), (3, False, 2)]
+    losses = {f"{s}/{c}/{m}": train(s, c, m, bf16=True) for s, c, m in configs}
+    return {**losses, "fp32": train(0, False, 4)}
+
+
+@scenario
 def memory_cap_raises_out_of_memory(out: Path) -> dict:
     os.environ[DEVICE_MEMORY] = str(64 * 2**10)  # the model (~14 KiB) and a little more
     torch.manual_seed(0)
@@ -133,6 +144,18 @@ def test_every_strategy_gives_ddps_losses_at_the_same_global_batch(tmp_path):
             torch.testing.assert_close(losses, reference, rtol=1e-5, atol=1e-6, msg=config)
     job_loss = [sum(r["0/False/4"][step] for r in results) for step in range(STEPS)]
     assert job_loss[-1] < job_loss[0]  # it trains: the job's loss, whose gradient each rank steps
+
+
+def test_bf16_strategies_give_bf16_ddps_losses_within_bf16_tolerance(tmp_path):
+    results = run_job(__file__, "bf16_strategies_train_the_same_model", tmp_path, timeout=180)
+    for rank_result in results:
+        fp32 = rank_result.pop("fp32")
+        reference = rank_result["0/False/4"]
+        # bf16 keeps 8 bits of mantissa: a relative error of 2^-8 per rounding.
+        for config, losses in rank_result.items():
+            torch.testing.assert_close(losses, reference, rtol=3e-2, atol=1e-3, msg=config)
+        assert reference != fp32  # mixed precision really ran: the numerics changed
+        torch.testing.assert_close(reference, fp32, rtol=3e-2, atol=1e-3)
 
 
 def test_the_memory_cap_raises_torchs_out_of_memory_error_on_cpu(tmp_path):

@@ -1,6 +1,8 @@
 """``distune plot LOG [-o FILE.png]``: a figure of a tuning run, drawn with matplotlib.
 
-One panel per model: each sampled group's throughput against the training iteration at which
+Given a level-2 results directory (``--autotune_results_dir``) or its ``trials.jsonl``, the
+figure of its trials (:mod:`distune.cli.trial_plot`). Given a CSV tuning log, one panel per
+model: each sampled group's throughput against the training iteration at which
 its measurement ended (marked by why it was sampled, labelled with its bucket size), the default
 group's level, the running best, and the chosen group as a star once tuning completed. The
 dashboard the service serves at ``/`` draws the same chart live.
@@ -38,12 +40,19 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     """Add ``plot`` to the ``distune`` command's subcommands."""
     parser = commands.add_parser(
         "plot",
-        help="draw a CSV tuning log: throughput per sample, default level, best, choice",
+        help="draw a CSV tuning log (throughput per sample, default level, best, choice) or a "
+        "level-2 run's trials",
         description="Draw a tuning log (--autotune_log_file, or one copied from another "
         "machine) as a figure: each sample's throughput against the training iteration, the "
-        "default group's level, the running best and the chosen group; one panel per model.",
+        "default group's level, the running best and the chosen group; one panel per model. "
+        "Given a level-2 results directory or its trials.jsonl: each trial's throughput by "
+        "configuration and strategy, and predicted against measured peak memory.",
     )
-    parser.add_argument("log", metavar="LOG", help="the CSV tuning log")
+    parser.add_argument(
+        "log",
+        metavar="LOG",
+        help="the CSV tuning log, or a level-2 results directory or its trials.jsonl",
+    )
     parser.add_argument(
         "-o",
         "--output",
@@ -139,13 +148,24 @@ def output_path(log: str, output: str | None) -> Path:
     return path
 
 
-def run(args: argparse.Namespace) -> int:
-    """``distune plot``; CommandError when the log cannot be read or the image written."""
+def _figure(log: str) -> tuple[Figure, str]:
+    """The figure of ``log`` and the file its default image name comes from."""
+    from distune.cli.trial_log import read_trials, trials_path
+
+    trials_file = trials_path(log)
+    if trials_file is not None:
+        from distune.cli.trial_plot import draw_trials
+
+        return draw_trials(read_trials(trials_file), f"level 2: {trials_file}"), str(trials_file)
     from distune.cli.log_reader import read_log  # pandas loads for the commands that need it
 
-    runs = read_log(args.log)
-    path = output_path(args.log, args.output)
-    figure = draw(runs)
+    return draw(read_log(log)), log
+
+
+def run(args: argparse.Namespace) -> int:
+    """``distune plot``; CommandError when the log cannot be read or the image written."""
+    figure, named_after = _figure(args.log)
+    path = output_path(named_after, args.output)
     try:
         figure.savefig(path)
     except OSError as error:

@@ -86,13 +86,18 @@ class ServiceConnection:
 
     def get(self, path: str) -> requests.Response:
         """GET ``path`` (e.g. ``/api/v1/status``); a 2xx answer, or ServiceError."""
+        return self._checked(self._request(path), path)
+
+    def _request(self, path: str) -> requests.Response:
         headers = {} if self.token is None else {"Authorization": f"Bearer {self.token}"}
         try:
-            response = requests.get(self.url + path, headers=headers, timeout=self.timeout)
+            return requests.get(self.url + path, headers=headers, timeout=self.timeout)
         except requests.RequestException as error:
             raise ServiceError(
                 f"cannot reach the tuning service at {self.url}: {_reason(error)}"
             ) from None
+
+    def _checked(self, response: requests.Response, path: str) -> requests.Response:
         if response.status_code == 401:
             if self.token is None:
                 raise ServiceError(
@@ -119,6 +124,22 @@ class ServiceConnection:
                 f"{self.url} did not answer /api/v1/status as a distune tuning service does"
             )
         return status
+
+    def trials(self) -> dict[str, Any] | None:
+        """The ``/api/v1/trials`` document (level 2's trials), or None from a service without
+        trial endpoints (an older version)."""
+        response = self._request("/api/v1/trials")
+        if response.status_code == 404:
+            return None
+        try:
+            trials = self._checked(response, "/api/v1/trials").json()
+        except ValueError:
+            trials = None
+        if not (isinstance(trials, dict) and isinstance(trials.get("trials"), list)):
+            raise ServiceError(
+                f"{self.url} did not answer /api/v1/trials as a distune tuning service does"
+            )
+        return trials
 
 
 def _error_message(response: requests.Response) -> str:

@@ -7,6 +7,8 @@ over the default group::
     MODEL   STATE     SAMPLES  CURRENT                      BEST                         SCORE  ...
     model0  sampling  4/20     bucket 2^22 B (4 MiB), flat  bucket 2^20 B (1 MiB), flat  12.31 it/s
 
+With level 2, the trials come first: a line about the tuning and one row per recorded trial
+(configuration, outcome, throughput, predicted and measured peak memory, the best marked *).
 ``--watch`` redraws it in place every ``--interval`` seconds until Ctrl-C; ``--json`` prints the
 raw status document instead, one line per poll, for scripts.
 """
@@ -22,6 +24,7 @@ import time
 from typing import Any, TextIO
 
 from distune.cli.service_client import ServiceConnection
+from distune.cli.trial_table import format_trials
 from distune.service_auth import SERVICE_TOKEN_FILE
 from distune.wording import describe_group, format_gain, format_rate
 from distune.worker_settings import SERVICE_TOKEN, SERVICE_URL
@@ -37,7 +40,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "status",
         help="the tuning state of every model, from a running tuning service",
         description="Print every model's tuning state: state, samples taken of the most, the "
-        "group running now, the best group with its score and gain over the default group.",
+        "group running now, the best group with its score and gain over the default group; "
+        "with level 2, every trial: configuration, outcome, throughput, predicted and measured "
+        "peak memory, and which is best.",
     )
     parser.add_argument(
         "--service",
@@ -108,10 +113,22 @@ def format_table(status: dict[str, Any]) -> str:
     )
 
 
+def render(connection: ServiceConnection, as_json: bool) -> str:
+    """The status (and level 2's trials, when the service has any) as text or one JSON line."""
+    status = connection.status()
+    trials = format_trials(document := connection.trials())
+    if as_json:
+        return json.dumps(status if trials is None else {**status, "trials": document})
+    if trials is None:
+        return format_table(status)
+    if not status.get("models"):
+        return trials  # no model registered yet: the trials are the news
+    return f"{trials}\n\n{format_table(status)}"
+
+
 def show(connection: ServiceConnection, as_json: bool, out: TextIO) -> None:
     """Print the status once."""
-    status = connection.status()
-    print(json.dumps(status) if as_json else format_table(status), file=out, flush=True)
+    print(render(connection, as_json), file=out, flush=True)
 
 
 def watch(connection: ServiceConnection, interval: float, as_json: bool, out: TextIO) -> None:
@@ -120,13 +137,11 @@ def watch(connection: ServiceConnection, interval: float, as_json: bool, out: Te
     under a time stamp."""
     redraw = out.isatty() and not as_json
     while True:
-        status = connection.status()
-        if as_json:
-            text = json.dumps(status)
-        else:
+        text = render(connection, as_json)
+        if not as_json:
             stamp = time.strftime("%H:%M:%S")
             heading = f"{connection.url} at {stamp}, every {interval:g} s (Ctrl-C to stop)"
-            text = f"{_REDRAW if redraw else ''}{heading}\n\n{format_table(status)}\n"
+            text = f"{_REDRAW if redraw else ''}{heading}\n\n{text}\n"
         print(text, file=out, flush=True)
         time.sleep(interval)
 

@@ -6,13 +6,16 @@ what the memory model needs; then the search (:mod:`distune.tuning_service.trial
 trials until it is done or ``--autotune_max_trials`` is spent; each trial's record is appended
 to ``trials.jsonl`` as it ends; finally ``best_config.json``, ``best_command.txt`` and
 ``summary.md`` are written. Every value distune chooses is printed as a progress line.
-This version runs trials on one node (multi-node trials need the service to coordinate the
-nodes' launchers).
+Trials are coordinated by the tuning service (``tuning_service.trial_board``), on one node or
+several: node 0 (this module) runs the search and publishes each trial, every node's launcher
+runs its own ranks of it (``trial_node``, ``trial_follower``) at a rendezvous port node 0 chose,
+and node 0 records the combined outcome. docs/level2.md has the protocol.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -22,12 +25,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
 
+from distune.errors import ServiceError
 from distune.launcher.options import AutotuneOptions, OptionError, flags
+from distune.launcher.trial_args import rewrite_script_args
+from distune.launcher.trial_client import TrialClient, TrialRefusedError
+from distune.launcher.trial_node import NodeTrials
 from distune.launcher.trial_report import TrialReport
 from distune.launcher.trial_runner import TrialRunner
 from distune.trial_settings import TrialSettings
+from distune.tuning_service.trial_board import OUTCOME_PRIORITY
 from distune.tuning_service.trials.memory_model import MemoryModel, ModelFacts
 from distune.tuning_service.trials.trial_config import (
     ACCUMULATION,
@@ -36,58 +45,92 @@ from distune.tuning_service.trials.trial_config import (
     TrialConfigError,
     TrialPins,
 )
-from distune.tuning_service.trials.trial_result import OK, THROUGHPUT, TrialResult
+from distune.tuning_service.trials.trial_result import (
+    CRASH,
+    OK,
+    OOM,
+    THROUGHPUT,
+    TIMEOUT,
+    TrialResult,
+)
 from distune.tuning_service.trials.trial_search import Proposal, TrialSearch
 from distune.tuning_service.trials.trial_space import TrialSpace
 
 DEFAULT_MAX_TRIALS = 20
 DEFAULT_TRIAL_TIMEOUT = 120.0
+#: The profile result's ``api`` of a script measured through its DistributedDataParallel.
+WRAPPER_API = "wrapper"
+_TAKING_PART = (
+    " (a script takes part in level 2 by calling distune.prepare, or by wrapping its model in "
+    "distune.DistributedDataParallel with its batch flags named in the config's arg_mappings)"
+)
+
+
+#: Seconds node 0 waits for the other nodes' reports beyond the trial time-out (their own
+#: watchdogs fire within the time-out, and stopping takes a few seconds more).
+LATE_REPORT_GRACE = 15.0
+_POLL = 0.2
+#: Seconds node 0 waits for the other nodes' reports before it says so.
+WAITING_NOTICE = 5.0
+#: Seconds node 0 keeps its service for the other nodes to see the end of the trials (they
+#: ask twice a second or more; one still in a trial stops it first) or a stop.
+FINISH_ACK_WAIT = 30.0
+STOP_ACK_WAIT = 10.0
 
 
 @dataclass(frozen=True)
 class Chosen:
-    """What ``run`` mode trains with: the winner's script arguments and settings."""
+    """What ``run`` mode trains with: the winner's strategy, script arguments and settings."""
 
-    config: TrialConfig
+    stage: int
     script_args: list[str]
     settings: TrialSettings
 
 
-def rewrite_script_args(
-    script_args: list[str], pins: TrialPins, micro_batch: int | None, accumulation: int | None
-) -> list[str]:
-    """The script's arguments with the mapped flags set to the configuration's values.
-
-    Every earlier occurrence of a mapped flag (``--flag V`` or ``--flag=V``) is removed, and the
-    flag is appended with the new value, so the script's own parser sees it last.
-    """
-    values = {MICRO_BATCH: micro_batch, ACCUMULATION: accumulation}
-    rewritten = list(script_args)
-    for key, flag in pins.arg_mappings:
-        value = values.get(key)
-        if value is None:
-            continue
-        kept: list[str] = []
-        skip = False
-        for arg in rewritten:
-            if skip:
-                skip = False
-            elif arg == flag:
-                skip = True
-            elif not arg.startswith(f"{flag}="):
-                kept.append(arg)
-        rewritten = [*kept, flag, str(value)]
-    return rewritten
+def space_pins(pins: TrialPins, profile: TrialConfig, api: str | None) -> TrialPins:
+    """What the search may change: ``pins`` for a script that calls ``distune.prepare``; for
+    one measured through its wrapper only (``api`` ``wrapper``), DDP in full precision without
+    checkpointing and only the batch knobs its ``arg_mappings`` reach (the others stay the
+    script's own)."""
+    if api != WRAPPER_API:
+        return pins
+    mapped = dict(pins.arg_mappings)
+    if not mapped:
+        raise TrialConfigError(
+            "the script never calls distune.prepare and the config has no arg_mappings: level 2 "
+            "can change nothing in it. Call distune.prepare (micro-batch, accumulation, ZeRO "
+            "stages, checkpointing), or map its batch flags, e.g. arg_mappings: "
+            f"{{{MICRO_BATCH}: --batch_size, {ACCUMULATION}: --grad_accum}}"
+        )
+    if pins.stage not in (None, 0) or pins.checkpointing or pins.bf16:
+        raise TrialConfigError(
+            "the config pins a ZeRO stage, activation checkpointing or bf16, which need the "
+            "script to call distune.prepare; this one only wraps its model in "
+            "distune.DistributedDataParallel"
+        )
+    return replace(
+        pins,
+        stage=0,
+        checkpointing=False,
+        bf16=False,
+        micro_batch=pins.micro_batch if MICRO_BATCH in mapped else profile.micro_batch,
+        accumulation=pins.accumulation if ACCUMULATION in mapped else profile.accumulation,
+    )
 
 
 def settings_for(config: TrialConfig | None, pins: TrialPins, cap: int | None) -> TrialSettings:
     """The ranks' settings: a configuration's knobs, or (``None``) the pinned ones only."""
     if config is None:
         return TrialSettings(
-            pins.micro_batch, pins.accumulation, pins.stage, pins.checkpointing, cap
+            pins.micro_batch, pins.accumulation, pins.stage, pins.checkpointing, cap, bf16=pins.bf16
         )
     return TrialSettings(
-        config.micro_batch, config.accumulation, config.stage, config.checkpointing, cap
+        config.micro_batch,
+        config.accumulation,
+        config.stage,
+        config.checkpointing,
+        cap,
+        bf16=config.bf16,
     )
 
 
@@ -146,8 +189,40 @@ def model_facts(measurements: dict[str, Any], config: TrialConfig) -> ModelFacts
     )
 
 
+def trial_world(args: argparse.Namespace) -> tuple[int, int]:
+    """The trials' node count and world size; OptionError for a job whose trials cannot be
+    coordinated (an elastic node range, a rendezvous other than static)."""
+    min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+    local = determine_local_world_size(args.nproc_per_node)
+    if max_nodes > 1 and not args.standalone:
+        if min_nodes != max_nodes:
+            raise OptionError(
+                f"--autotune_level 2: --nnodes {args.nnodes}: trials need a fixed number of "
+                "nodes (e.g. --nnodes 2), since every trial runs on all of them"
+            )
+        if args.rdzv_backend != "static" or args.rdzv_endpoint:
+            raise OptionError(
+                "--autotune_level 2 on several nodes uses static rendezvous (--master_addr, "
+                "--master_port, --node_rank on every node); got --rdzv_backend "
+                f"{args.rdzv_backend}{' with --rdzv_endpoint' if args.rdzv_endpoint else ''}"
+            )
+        return max_nodes, max_nodes * local
+    return 1, local
+
+
+def trial_port(args: argparse.Namespace) -> int:
+    """A free port for a trial's rendezvous on node 0, where the other nodes can reach it."""
+    nnodes, _ = trial_world(args)
+    if nnodes == 1:
+        return free_port()
+    with socket.socket() as probe:
+        probe.bind((args.master_addr, 0))
+        return int(probe.getsockname()[1])
+
+
 class Level2:
-    """One level-2 tuning of one script."""
+    """One level-2 tuning of one script, run by node 0: the search, each trial published to
+    the service for every node to run, the results directory."""
 
     def __init__(
         self,
@@ -155,26 +230,24 @@ class Level2:
         options: AutotuneOptions,
         pins: TrialPins,
         argv: list[str],
+        client: TrialClient,
     ) -> None:
-        _, max_nodes = parse_min_max_nnodes(args.nnodes)
-        if max_nodes > 1:
-            raise OptionError(
-                "--autotune_level 2: trials run on one node in this version; tune on one node, "
-                "then run the multi-node job with --autotune_config best_config.json"
-            )
+        self.nnodes, self.world_size = trial_world(args)
         self.args = args
         self.options = options
         self.argv = argv
         self.pins = pins
-        self.world_size = determine_local_world_size(args.nproc_per_node)
+        self.client = client
         self.metric = options.autotune_metric or THROUGHPUT
         self.max_trials = options.autotune_max_trials or DEFAULT_MAX_TRIALS
+        self.trial_timeout = options.autotune_trial_timeout or DEFAULT_TRIAL_TIMEOUT
+        #: Seconds node 0 waits, once its ranks ended, for the other nodes' reports.
+        self.late_after = self.trial_timeout + LATE_REPORT_GRACE
         self.results_dir = _results_dir(options)
         self.report = TrialReport(self.results_dir, self.metric)
-        self.runner = TrialRunner(
-            args,
-            options.autotune_trial_timeout or DEFAULT_TRIAL_TIMEOUT,
-            self.results_dir / "trials",
+        runner = TrialRunner(args, self.trial_timeout, self.results_dir / "trials")
+        self.node = NodeTrials(
+            args, pins, options.autotune_device_memory, runner, client, self._say
         )
         self.earlier = self._earlier_results()
         if options.autotune_resume == self.results_dir:
@@ -192,52 +265,54 @@ class Level2:
         if not self.options.autotune_quiet:
             print(f"distune: {text}", flush=True)
 
-    def _trial(
-        self, index: int, config: TrialConfig | None, purpose: str, predicted: int | None
-    ) -> TrialResult:
-        """Run (or, resuming, reuse) one trial and record it."""
+    def _reused(self, index: int, config: TrialConfig | None, purpose: str) -> TrialResult | None:
         for earlier in self.earlier:
             # The profile is the script's own configuration, whatever it turned out to be.
             same = config is None or earlier.config == config
             if same and earlier.purpose == purpose:
                 self.earlier.remove(earlier)
-                result = replace(earlier, trial=index)
-                self._say(f"trial {index}: {result.config.describe()}: {result.outcome} (resumed)")
-                self.report.add(result)
-                return result
+                return replace(earlier, trial=index)
+        return None
+
+    def _trial(
+        self, index: int, config: TrialConfig | None, purpose: str, predicted: int | None
+    ) -> TrialResult:
+        """Run (or, resuming, reuse) one trial on every node and record it."""
+        reused = self._reused(index, config, purpose)
+        if reused is not None:
+            self._say(f"trial {index}: {reused.config.describe()}: {reused.outcome} (resumed)")
+            self.client.record(index, reused.to_json())
+            self.report.add(reused)
+            return reused
         what = config.describe() if config is not None else "the script's own configuration"
         predicted_text = f", predicted peak {predicted / 2**20:.1f} MiB" if predicted else ""
         self._say(f"trial {index}/{self.max_trials} ({purpose}): {what}{predicted_text}")
         settings = settings_for(config, self.pins, self.options.autotune_device_memory)
-        script_args = rewrite_script_args(
-            list(self.args.training_script_args),
-            self.pins,
-            settings.micro_batch,
-            settings.accumulation,
+        view = self.client.publish(
+            {
+                "trial": index,
+                "nnodes": self.nnodes,
+                "purpose": purpose,
+                "knobs": {
+                    "micro_batch": settings.micro_batch,
+                    "accumulation": settings.accumulation,
+                    "stage": settings.stage,
+                    "checkpointing": settings.checkpointing,
+                    "bf16": settings.bf16,
+                },
+                "master_port": trial_port(self.args),
+                "config": None if config is None else config.to_config(self.world_size),
+                "metric": self.metric,
+            }
         )
-        run = self.runner.run(index, settings, script_args, free_port())
-        measured = run.measurements or {}
-        if config is None:
-            reported = measured.get("config")
-            if reported is None:
-                config = TrialConfig(
-                    self.pins.micro_batch or 1,
-                    self.pins.accumulation or 1,
-                    self.pins.stage or 0,
-                    bool(self.pins.checkpointing),
-                )
-            else:
-                config = TrialConfig(
-                    reported["micro_batch"],
-                    reported["accumulation"],
-                    reported["stage"],
-                    reported["checkpointing"],
-                )
+        run = self.node.run(view)
+        combined = self._combined(index)
+        measured = combined.get("measurements") or {}
         result = TrialResult(
             trial=index,
-            config=config,
+            config=config or self._profile_config(measured),
             world_size=self.world_size,
-            outcome=run.outcome,
+            outcome=combined["outcome"],
             purpose=purpose,
             throughput=measured.get("throughput"),
             throughput_spread=measured.get("throughput_spread"),
@@ -246,36 +321,135 @@ class Level2:
             predicted_memory_bytes=predicted,
             duration=run.duration,
             log_path=str(run.log_path),
-            error=run.error,
+            error=combined.get("error"),
             facts=measured or None,
         )
+        self.client.record(index, result.to_json())
         self.report.add(result)
         self._say(self.report.line(result))
         return result
 
+    def _profile_config(self, measured: dict[str, Any]) -> TrialConfig:
+        reported = measured.get("config")
+        if reported is None:
+            return TrialConfig(
+                self.pins.micro_batch or 1,
+                self.pins.accumulation or 1,
+                self.pins.stage or 0,
+                bool(self.pins.checkpointing),
+                bool(self.pins.bf16),
+            )
+        return TrialConfig(
+            reported["micro_batch"],
+            reported["accumulation"],
+            reported["stage"],
+            reported["checkpointing"],
+            reported.get("bf16", False),
+        )
+
+    def _combined(self, index: int) -> dict[str, Any]:
+        """The trial's outcome over every node, once each reported; a node that does not
+        report within the trial time-out after this node's ranks ended counts as ``timeout``."""
+        start = time.monotonic()
+        told = False
+        while True:
+            view = self.client.trial(index)
+            if view["combined"] is not None:
+                return dict(view["combined"])
+            waited = time.monotonic() - start
+            if waited > self.late_after:
+                break
+            if not told and waited > WAITING_NOTICE:
+                missing = ", ".join(str(node) for node in view["missing"])
+                self._say(
+                    f"trial {index}: waiting for node {missing} (at most {self.late_after:g} s)"
+                )
+                told = True
+            time.sleep(_POLL)
+        missing = ", ".join(str(node) for node in view["missing"])
+        causes = [
+            (TIMEOUT, f"node {missing}: no report {self.late_after:g} s after node 0's ranks ended")
+        ]
+        causes += [
+            (r["outcome"], f"node {node}: {r['error']}")
+            for node, r in view["nodes"].items()
+            if not r["stopped"] and r["outcome"] != OK
+        ]
+        outcome, error = min(causes, key=lambda cause: OUTCOME_PRIORITY.index(cause[0]))
+        return {"outcome": outcome, "error": error, "measurements": None}
+
     def tune(self) -> TrialSearch | None:
-        """Run the trials; the search (with its results), or None if the profile failed."""
-        self._say(f"level 2 results in {self.results_dir}")
+        """Run the trials; the search (with its results), or None if the profile failed.
+        Tells the service the choice (or that there is none) for the other nodes."""
+        mode = self.options.autotune_mode or "run"
+        try:
+            search = self._search()
+        except BaseException as error:
+            # Every node stops with this one: a signal's name, or what went wrong here.
+            reason = error.sigval.name if isinstance(error, SignalException) else str(error)
+            with contextlib.suppress(ServiceError, TrialRefusedError):
+                self.client.stop(self.node.node_rank, reason[:200] or type(error).__name__)
+                self._wait_acknowledged(STOP_ACK_WAIT)
+            raise
+        best = None if search is None else search.best()
+        chosen, knobs = None, None
+        if search is not None and best is not None:
+            ok = [r for r in search.results if r.config == best and r.outcome == OK]
+            chosen = max(ok, key=lambda r: r.value(self.metric)).trial
+            knobs = {
+                "micro_batch": best.micro_batch,
+                "accumulation": best.accumulation,
+                "stage": best.stage,
+                "checkpointing": best.checkpointing,
+                "bf16": best.bf16,
+            }
+        self.client.finish({"mode": mode, "chosen": chosen, "knobs": knobs})
+        self._wait_acknowledged(FINISH_ACK_WAIT)
+        return search
+
+    def _wait_acknowledged(self, timeout: float) -> None:
+        """Keep the service up until every other node has seen the finish or stop (or
+        ``timeout`` passed: a node that is gone cannot see it)."""
+        others = set(range(1, self.nnodes))
+        deadline = time.monotonic() + timeout
+        while others and time.monotonic() < deadline:
+            try:
+                if others <= set(self.client.current()["acknowledged"]):
+                    return
+            except ServiceError:
+                return  # nobody can see anything more
+            time.sleep(_POLL)
+
+    def _search(self) -> TrialSearch | None:
+        where = f" on {self.nnodes} nodes" if self.nnodes > 1 else ""
+        self._say(f"level 2 results in {self.results_dir}; trials{where}")
         if self.pins.pinned():
             self._say(f"pinned (never changed): {self.pins.pinned()}")
         profile = self._trial(0, None, "profile", None)
         if profile.outcome != OK:
+            hint = "" if profile.outcome in (OOM, CRASH) else _TAKING_PART
             self._say(
                 f"the profile trial (the script's own configuration) ended {profile.outcome}: "
-                "nothing to tune from; see its log"
+                f"nothing to tune from; see its log{hint}"
             )
             self.report.finish(None, [], time.monotonic() - self.started)
             return None
+        assert profile.facts is not None
         try:
             space = TrialSpace(
-                self.pins,
+                space_pins(self.pins, profile.config, profile.facts.get("api")),
                 self.world_size,
                 profile.config,
                 self.options.autotune_allow_batch_change,
             )
         except TrialConfigError as error:
             raise OptionError(f"--autotune_level 2: {error}") from None
-        assert profile.facts is not None
+        if profile.facts.get("api") == WRAPPER_API:
+            self._say(
+                "the script is measured through distune.DistributedDataParallel (it never calls "
+                "distune.prepare): micro-batch x accumulation through arg_mappings, on DDP "
+                "without checkpointing"
+            )
         search = TrialSearch(
             space,
             MemoryModel(model_facts(profile.facts, profile.config)),
@@ -317,7 +491,7 @@ class Level2:
             list(self.args.training_script_args), self.pins, best.micro_batch, best.accumulation
         )
         self._say(f"chosen: {best.describe()}; {best_file}")
-        return Chosen(best, script_args, settings)
+        return Chosen(best.stage, script_args, settings)
 
 
 def pinned_run(

@@ -1,8 +1,9 @@
 """``distune-run``: torchrun, plus the tuning service's lifecycle around the workers.
 
 Order of events: parse and validate everything (exit 2 on any bad value, before any process
-exists); start the service if this node hosts it and wait until it answers; hand the workers
-their ``DISTUNE_*`` settings through the environment; run the workers with torch's elastic
+exists); start the service if this node hosts it and wait until it answers; at level 2, run
+the trials through it (node 0 searches, the other nodes follow) and keep the winner; hand the
+workers their ``DISTUNE_*`` settings through the environment; run the workers with torch's elastic
 launcher (restarts included: the service outlives them); whatever the outcome, read the final
 status, stop the service and print the summary. The exit code is the workers'.
 """
@@ -19,13 +20,17 @@ import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from distune.launcher.level2 import Level2, pinned_run
+from distune.errors import ServiceError
+from distune.launcher.level2 import Level2, pinned_run, trial_world
 from distune.launcher.options import AutotuneOptions, OptionError, parse, trial_pins
-from distune.launcher.plan import LaunchPlan, plan_launch, restart_caveat
+from distune.launcher.plan import LaunchPlan, plan_launch, plan_trials, restart_caveat
 from distune.launcher.progress import ProgressMonitor
 from distune.launcher.service_process import ServiceStartError, TuningServiceProcess
 from distune.launcher.stop_signals import StopSignals
 from distune.launcher.summary import format_summary
+from distune.launcher.trial_client import TrialClient, TrialRefusedError
+from distune.launcher.trial_follower import TrialFollower
+from distune.launcher.trial_node import TrialsStoppedError
 
 
 def _failure_exit_code(error: ChildFailedError) -> int:
@@ -44,44 +49,60 @@ def _run_workers(args: object, plan: LaunchPlan) -> int:
     return 0
 
 
-def _level2(argv: list[str], args: Any, options: AutotuneOptions) -> tuple[Any, Any] | int:
-    """Level 2's trials; the job to run next, or the exit code when there is none."""
-    stop_signals = StopSignals()
-    stop_signals.install()
-    try:
-        level2 = Level2(args, options, trial_pins(args), argv)
+def _level2(
+    argv: list[str], args: Any, options: AutotuneOptions, plan: LaunchPlan
+) -> tuple[Any, AutotuneOptions, LaunchPlan] | int:
+    """Level 2's trials, coordinated by the service (node 0 searches, every other node
+    follows); the job to run next, or the exit code when there is none."""
+    assert plan.placement is not None
+    client = TrialClient(plan.placement.url, plan.token)
+    pins = trial_pins(args)
+    if plan.starts_service:
+        level2 = Level2(args, options, pins, argv, client)
         search = level2.tune()
         chosen = level2.chosen(search) if search is not None else None
-    except OptionError as error:
-        print(f"distune-run: error: {error}", file=sys.stderr)
-        return 2
-    except SignalException as error:
-        print(f"distune-run: stopping on {error.sigval.name}", file=sys.stderr)
-        return 128 + error.sigval
-    finally:
-        stop_signals.cleanup_started()
+        mode = options.autotune_mode or "run"
+    else:
+        mode, chosen = TrialFollower(args, options, pins, client).follow()
     if chosen is None:
         return 1
-    if (options.autotune_mode or "run") == "tune":
+    if mode == "tune":
         return 0
     os.environ.update(chosen.settings.to_env())
     args = argparse.Namespace(**{**vars(args), "training_script_args": chosen.script_args})
     # Level 1 tunes distune's DDP (ddp and zero1); FSDP's communication is its own.
-    return args, replace(options, autotune_level=1 if chosen.config.stage < 2 else 0)
+    level = 1 if chosen.stage < 2 else 0
+    return args, replace(options, autotune_level=level), plan.for_run(level)
+
+
+def _trials_then_workers(
+    argv: list[str], args: Any, options: AutotuneOptions, plan: LaunchPlan
+) -> int:
+    """Level 2's trials when asked for, then the workers; the exit code."""
+    if options.autotune_level == 2:
+        try:
+            outcome = _level2(argv, args, options, plan)
+        except OptionError as error:
+            print(f"distune-run: error: {error}", file=sys.stderr)
+            return 2
+        except (TrialsStoppedError, ServiceError, TrialRefusedError) as error:
+            print(f"distune-run: error: level 2: {error}", file=sys.stderr)
+            return 1
+        if isinstance(outcome, int):
+            return outcome
+        args, options, plan = outcome
+    return _run_workers(args, plan)
 
 
 def _plan(argv: list[str]) -> tuple[Any, AutotuneOptions, LaunchPlan] | int:
-    """The job's arguments, options and plan, after level 2's trials when asked for; or the
-    exit code (2 for bad flags, or the trials' own)."""
+    """The job's arguments, options and plan (for level 2, the trials' plan); or 2 for bad
+    flags."""
     args, options = parse(argv)
     try:
         if options.autotune_level == 2:
-            outcome = _level2(argv, args, options)
-            if isinstance(outcome, int):
-                return outcome
-            args, options = outcome
-        else:
-            args = pinned_run(args, options, trial_pins(args))
+            trial_world(args)  # refuses what trials cannot do, before anything starts
+            return args, options, plan_trials(args, options)
+        args = pinned_run(args, options, trial_pins(args))
         return args, options, plan_launch(args, options)
     except OptionError as error:
         print(f"distune-run: error: {error}", file=sys.stderr)
@@ -136,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             monitor.start()
         # Threads start only now: the service's start-up (preexec_fn) needs a thread-free fork.
         stop_signals.watch(emergency_stop, helpers=() if service is None else (service.pid,))
-        return _run_workers(args, plan)
+        return _trials_then_workers(argv, args, options, plan)
     except ServiceStartError as error:
         print(f"distune-run: error: tuning service: {error}", file=sys.stderr)
         return 1

@@ -40,6 +40,11 @@ class LaunchPlan:
         """Whether this launcher starts the tuning service."""
         return self.placement is not None and self.placement.hosted_here
 
+    def for_run(self, autotune_level: int) -> LaunchPlan:
+        """The plan of the training after level 2's trials: the same service, the workers
+        tuning at ``autotune_level`` (0 where the winner's communication is FSDP's own)."""
+        return replace(self, settings=replace(self.settings, autotune_level=autotune_level))
+
     def with_service_port(self, port: int) -> LaunchPlan:
         """The plan once the service is listening (a free port is known only then)."""
         assert self.placement is not None
@@ -130,6 +135,23 @@ def _job_token(multi_node: bool) -> str:
             "secret on every node (the service is reachable from the network)"
         )
     return secrets.token_urlsafe(32)
+
+
+def plan_trials(args: argparse.Namespace, options: AutotuneOptions) -> LaunchPlan:
+    """Level 2: the service coordinates the trials, so it runs even where every level-1 knob
+    is pinned; the workers' settings are level 1's (:meth:`LaunchPlan.for_run` sets the level
+    the winner trains with)."""
+    plan = plan_launch(args, replace(options, autotune_level=1))
+    if plan.placement is not None:
+        return plan
+    placement = place_service(args, options)
+    token = _job_token(placement.multi_node)
+    return LaunchPlan(
+        placement=placement,
+        service_args=_service_args(options, placement) if placement.hosted_here else (),
+        token=token,
+        settings=replace(plan.settings, service_url=placement.url, service_token=token),
+    )
 
 
 def plan_launch(args: argparse.Namespace, options: AutotuneOptions) -> LaunchPlan:

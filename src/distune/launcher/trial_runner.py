@@ -7,7 +7,9 @@ time-out (start-up included) stops the trial as ``timeout``. Stopping is by ids:
 agent (which stops its ranks), then SIGKILL to the agent and every rank it started, found in
 /proc and in the pid files the ranks wrote. The outcome comes from the structured files the
 ranks write (:mod:`distune.worker_runtime.trial_measurement`) and the exit status, never from
-the text of the log.
+the text of the log. On a multi-node job every node's launcher runs its own ranks of the trial
+this way (its watchdog reading its first local rank's progress), and stops them early when the
+service says a peer node failed or the trial was closed.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,13 +37,19 @@ from distune.worker_settings import SERVICE_TOKEN, SERVICE_URL, WorkerSettings
 #: Exit statuses of a rank the kernel's out-of-memory killer ended (SIGKILL).
 OOM_EXIT_CODES = (137, -9)
 _POLL = 0.2
+#: A trial's collectives time out after this many trial time-outs (a backstop to the watchdog).
+COLLECTIVE_TIMEOUT_FACTOR = 2.0
+#: Seconds between two questions to the service whether the trial goes on.
+_ABORT_POLL = 0.5
 _STOP_GRACE = 5.0
 _LOG_TAIL_LINES = 12
 
 
 @dataclass(frozen=True)
 class TrialRun:
-    """What one trial did: its outcome, rank 0's measurements if ok, why if not."""
+    """What one trial did on this node: its outcome, rank 0's measurements if ok (node 0
+    only), why if not; ``stopped`` says why the launcher stopped it early (a peer failed, the
+    trial was closed), None if it ran to its end or its own watchdog."""
 
     outcome: str
     exit_code: int | None
@@ -47,6 +57,8 @@ class TrialRun:
     error: str | None
     duration: float
     log_path: Path
+    peak_memory_bytes: int | None = None
+    stopped: str | None = None
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -63,11 +75,14 @@ def classify(
     rank_reports: list[dict[str, Any]],
     result: dict[str, Any] | None,
     log_tail: str,
+    expects_result: bool = True,
 ) -> tuple[str, str | None]:
     """The outcome and its explanation, from the exit status and the ranks' own reports.
 
     ``oom`` wins over everything (any rank's report, or a rank killed by the kernel): a rank
     that ran out of memory makes its peers fail in their collectives, and those are symptoms.
+    Only node 0 has rank 0's ``result``; another node (``expects_result`` False) is ok when its
+    job ended well and each of its ranks reported ok.
     """
     for report in rank_reports:
         if report.get("outcome") == OOM:
@@ -80,6 +95,9 @@ def classify(
     if crashes:
         return CRASH, crashes[0].get("error")
     if exit_code == 0 and result is not None and result.get("outcome") == OK:
+        return OK, None
+    all_ok = bool(rank_reports) and all(r.get("outcome") == OK for r in rank_reports)
+    if not expects_result and exit_code == 0 and all_ok:
         return OK, None
     if exit_code == 0:
         return INVALID, (
@@ -148,9 +166,16 @@ class TrialRunner:
         return spec
 
     def run(
-        self, index: int, settings: TrialSettings, script_args: list[str], master_port: int
+        self,
+        index: int,
+        settings: TrialSettings,
+        script_args: list[str],
+        master_port: int,
+        abort: Callable[[], str | None] | None = None,
     ) -> TrialRun:
-        """Run trial ``index`` to its end (or its time-out) and classify it."""
+        """Run this node's ranks of trial ``index`` to their end (or the time-out) and classify
+        them. ``abort``, asked every half second, returns why to stop early (a peer node
+        failed), or None to go on."""
         trial_dir = self.root / f"trial-{index:03d}"
         attempt = 1
         while trial_dir.exists():  # resuming in the same directory: keep the earlier logs
@@ -159,13 +184,18 @@ class TrialRunner:
         trial_dir.mkdir(parents=True)
         spec_path = trial_dir / "torchrun.json"
         spec_path.write_text(json.dumps(self._spec(script_args, master_port)), encoding="utf-8")
-        settings = TrialSettings(**{**vars(settings), "trial_dir": trial_dir})
+        # The ranks' own collective time-out backs up the watchdog (twice its time-out, so the
+        # watchdog's `timeout` comes first): a rank whose launcher is gone still ends.
+        backstop = math.ceil(COLLECTIVE_TIMEOUT_FACTOR * self.trial_timeout)
+        settings = TrialSettings(
+            **{**vars(settings), "trial_dir": trial_dir, "collective_timeout": backstop}
+        )
         env = {k: v for k, v in os.environ.items() if k not in (SERVICE_URL, SERVICE_TOKEN)}
         env.update(WorkerSettings(autotune_level=0).to_env())  # no online tuning in a trial
         env.update(settings.to_env())
         log_path = trial_dir / "log.txt"
         start = time.monotonic()
-        timed_out = False
+        timed_out, stopped = False, None
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "distune.launcher.trial_job", str(spec_path)],
@@ -176,26 +206,43 @@ class TrialRunner:
                 start_new_session=True,
             )
             try:
-                timed_out = self._watch(process, trial_dir / "progress")
+                timed_out, stopped = self._watch(process, trial_dir / "progress", abort)
             finally:
                 if process.poll() is None:
                     self._stop(process, trial_dir)
         exit_code = process.returncode
         reports = [r for p in sorted(trial_dir.glob("rank*.json")) if (r := _read_json(p))]
         result = _read_json(trial_dir / "result.json")
-        outcome, error = classify(exit_code, timed_out, reports, result, _log_tail(log_path))
+        outcome, error = classify(
+            exit_code, timed_out, reports, result, _log_tail(log_path), self.node_rank == 0
+        )
+        peaks = [int(r["peak_memory_bytes"]) for r in reports if r.get("peak_memory_bytes")]
         return TrialRun(
             outcome=outcome,
             exit_code=exit_code,
             measurements=result if outcome == OK else None,
-            error=error,
+            error=error if stopped is None else f"stopped: {stopped}; {error}",
             duration=time.monotonic() - start,
             log_path=log_path,
+            peak_memory_bytes=max(peaks) if peaks else None,
+            stopped=stopped,
         )
 
-    def _watch(self, process: subprocess.Popen, progress: Path) -> bool:
-        """Wait for the trial; True if the watchdog fired (it is then still running)."""
+    @property
+    def node_rank(self) -> int:
+        """This node's rank in the job (0 on a single node)."""
+        return int(getattr(self.args, "node_rank", 0) or 0)
+
+    def _watch(
+        self,
+        process: subprocess.Popen,
+        progress: Path,
+        abort: Callable[[], str | None] | None,
+    ) -> tuple[bool, str | None]:
+        """Wait for the trial; whether the watchdog fired, and why ``abort`` stopped it (in
+        either case it is still running)."""
         last_steps, last_change = None, time.monotonic()
+        last_asked = last_change
         while process.poll() is None:
             data = _read_json(progress)
             steps = data.get("steps") if data else None
@@ -203,9 +250,14 @@ class TrialRunner:
             if steps != last_steps:
                 last_steps, last_change = steps, now
             elif now - last_change > self.trial_timeout:
-                return True
+                return True, None
+            if abort is not None and now - last_asked >= _ABORT_POLL:
+                last_asked = now
+                reason = abort()
+                if reason is not None:
+                    return False, reason
             time.sleep(_POLL)
-        return False
+        return False, None
 
     def _stop(self, process: subprocess.Popen, trial_dir: Path) -> None:
         """Stop the trial's agent and ranks by their ids, gently first."""

@@ -18,6 +18,13 @@ import distune
 from distune.tuning_service.messages import Registration, Report, RequestError
 from distune.tuning_service.openapi import openapi_document
 from distune.tuning_service.service import TuningService
+from distune.tuning_service.trial_messages import (
+    NodeReport,
+    TrialRecord,
+    TrialsFinish,
+    TrialSpec,
+    TrialsStop,
+)
 
 #: The key of the application's TuningService in ``app.extensions``.
 EXTENSION = "distune"
@@ -88,6 +95,66 @@ def log(name: str) -> Response:
 def status() -> Response:
     """Every model's state, samples, current and best group."""
     return jsonify(current_service().status())
+
+
+@blueprint.get("/trials")
+def trials() -> Response:
+    """Level 2: every recorded trial, the running one, the best, and the board's state."""
+    return jsonify(current_service().trials.overview())
+
+
+@blueprint.post("/trials")
+def publish_trial() -> Response:
+    """Level 2, node 0: open the next trial for every node to run."""
+    return jsonify(current_service().trials.publish(TrialSpec.from_json(json_body())))
+
+
+@blueprint.get("/trials/current")
+def current_trial() -> Response:
+    """Level 2, every node: the latest trial, and the finish or stop once there is one;
+    ``?node_rank=i`` notes that node i has seen the end."""
+    unknown = sorted(set(request.args) - {"node_rank"})
+    if unknown:
+        raise RequestError(
+            repr(unknown[0]), "unknown query parameter; the one allowed is node_rank"
+        )
+    node_rank = request.args.get("node_rank")
+    if node_rank is not None and not node_rank.isdigit():
+        raise RequestError("node_rank", f"must be a node rank (0, 1, ...), got {node_rank[:20]!r}")
+    ranked = None if node_rank is None else int(node_rank[:9])
+    return jsonify(current_service().trials.current(ranked))
+
+
+@blueprint.post("/trials/finish")
+def finish_trials() -> Response:
+    """Level 2, node 0: the search is over; what every node trains with."""
+    return jsonify(current_service().trials.finish(TrialsFinish.from_json(json_body())))
+
+
+@blueprint.post("/trials/stop")
+def stop_trials() -> Response:
+    """Level 2, any node: stop the trials on every node (a signal)."""
+    return jsonify(current_service().trials.stop(TrialsStop.from_json(json_body())))
+
+
+@blueprint.get("/trials/<int:trial>")
+def trial(trial: int) -> Response:
+    """Level 2: one trial's node reports, combined outcome and record."""
+    return jsonify(current_service().trials.trial(trial))
+
+
+@blueprint.post("/trials/<int:trial>/nodes/<int:node_rank>")
+def report_trial(trial: int, node_rank: int) -> Response:
+    """Level 2, every node: how the trial ended on this node."""
+    body = NodeReport.from_json(json_body())
+    return jsonify(current_service().trials.report(trial, node_rank, body))
+
+
+@blueprint.post("/trials/<int:trial>/record")
+def record_trial(trial: int) -> Response:
+    """Level 2, node 0: close the trial with its trials.jsonl record."""
+    body = TrialRecord.from_json(json_body(), trial)
+    return jsonify(current_service().trials.record(trial, body))
 
 
 @blueprint.get("/openapi.json")

@@ -4,10 +4,11 @@
 ``app.extensions`` and registers one blueprint a module: the REST API v1 (``api.py``) and the
 dashboard (``dashboard.py``). Every error is JSON, ``{"error": "..."}``, with a 4xx status for
 anything the client got wrong: 400 for a malformed body or field (the message names the field),
-401 without the bearer token (when the service has one), 404 for an unknown model or route, 405
-for a wrong method, 409 for a report on a group that is not current (its body also carries the
-current group) or a conflicting registration, 413 for a body over 1 MiB. A 500 only ever means
-a bug in the service. docs/tuning_service.md has the details.
+401 without the bearer token (when the service has one), 404 for an unknown model, trial or
+route, 405 for a wrong method, 409 for a report on a group that is not current (its body also
+carries the current group), a conflicting registration or a trial request out of turn, 413 for
+a body over 1 MiB. A 500 only ever means a bug in the service. docs/tuning_service.md has the
+details.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from distune.tuning_service import api, dashboard
 from distune.tuning_service.messages import RequestError
 from distune.tuning_service.service import RegistrationError, TuningService, UnknownModelError
 from distune.tuning_service.session import StaleGroupError
+from distune.tuning_service.trial_board import TrialConflictError, UnknownTrialError
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +88,14 @@ def _conflict(error: RegistrationError) -> tuple[Response, int]:
     return _error(409, str(error))
 
 
+def _unknown_trial(error: UnknownTrialError) -> tuple[Response, int]:
+    return _error(404, str(error.args[0]))
+
+
+def _trial_conflict(error: TrialConflictError) -> tuple[Response, int]:
+    return _error(409, str(error))
+
+
 def _http_error(error: HTTPException) -> Response:
     # Keep werkzeug's status and headers (e.g. Allow on a 405), but speak JSON.
     response = error.get_response()
@@ -104,6 +114,8 @@ _ERROR_HANDLERS: tuple[tuple[type[Exception], Any], ...] = (
     (UnknownModelError, _unknown_model),
     (StaleGroupError, _stale_group),
     (RegistrationError, _conflict),
+    (UnknownTrialError, _unknown_trial),
+    (TrialConflictError, _trial_conflict),
     (HTTPException, _http_error),
     (Exception, _internal_error),
 )

@@ -109,6 +109,21 @@ def _optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return lambda value: None if value is None else check(value)
 
 
+def _zero_or(check: Callable[[Any], float]) -> Callable[[Any], float]:
+    """0 (off), or a value ``check`` accepts."""
+
+    def zero_or(value: Any) -> float:
+        if value == 0 and not isinstance(value, bool):
+            return 0.0
+        try:
+            return check(value)
+        except InvalidValue as error:
+            reason = str(error.args[0]).removeprefix("must be ")
+            raise InvalidValue(f"must be 0 (off) or {reason}") from None
+
+    return zero_or
+
+
 def _one_of(allowed: tuple[str, ...]) -> Callable[[Any], str]:
     def check(value: Any) -> str:
         if value not in allowed:
@@ -287,6 +302,13 @@ class TuningConfig:
         "clearly slower: this many standard deviations of a window's noise below the best "
         "group's score",
         _number(0.0, 100.0),
+    )
+    hopeless_slowdown: float = setting(
+        4.0,
+        "an exploring sample whose switch window is this many times slower than the best "
+        "group, even less twice the dearest switch measured so far, ends at that window, "
+        "scored with it (0: never)",
+        _zero_or(_number(1.0, 1_000_000.0)),
     )
     gain_confidence: float = setting(
         0.95,

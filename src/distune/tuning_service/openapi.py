@@ -11,6 +11,14 @@ from typing import Any
 from distune.space import BUCKET_SIZE_2P_LIMITS, MODEL_NAME_PATTERN
 from distune.tuning_service.dashboard import ASSETS
 from distune.tuning_service.messages import MAX_COUNT, SECONDS_RANGE
+from distune.tuning_service.trial_board import BOARD_STATES, TRIAL_STATES
+from distune.tuning_service.trial_messages import (
+    MAX_NODES,
+    MAX_TRIAL,
+    MODES,
+    PURPOSE_PATTERN,
+)
+from distune.tuning_service.trials.trial_result import METRICS, OUTCOMES
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -25,7 +33,7 @@ def _errors(*statuses: int) -> dict[str, Any]:
     meanings = {
         400: "malformed body or field; the message names the field",
         401: "missing or wrong bearer token",
-        404: "no model of that name is registered",
+        404: "no model (or trial) of that name (number) exists",
         409: "conflicts with the service's state",
         413: "request body over 1 MiB",
     }
@@ -237,6 +245,274 @@ _SCHEMAS: dict[str, Any] = {
     },
 }
 
+_TRIAL = {"type": "integer", "minimum": 0, "maximum": MAX_TRIAL}
+_NULLABLE_OBJECT = {"type": ["object", "null"]}
+_NULLABLE_STOP = {
+    "oneOf": [_ref("TrialsStop"), {"type": "null"}],
+    "description": "the first stop any node asked for",
+}
+_NULLABLE_FINISH = {
+    "oneOf": [_ref("TrialsFinish"), {"type": "null"}],
+    "description": "the search's end, once node 0 posted it",
+}
+
+#: Level 2's trials (trial_board.py): node 0 publishes and records, every node reports.
+_TRIAL_SCHEMAS: dict[str, Any] = {
+    "TrialKnobs": {
+        "type": "object",
+        "additionalProperties": False,
+        "description": "what a trial sets in every rank; null keeps the script's own value",
+        "properties": {
+            "micro_batch": {"type": ["integer", "null"], "minimum": 1, "maximum": 2**31},
+            "accumulation": {"type": ["integer", "null"], "minimum": 1, "maximum": 2**31},
+            "stage": {
+                "type": ["integer", "null"],
+                "minimum": 0,
+                "maximum": 3,
+                "description": "0 ddp, 1 zero1, 2 zero2, 3 zero3",
+            },
+            "checkpointing": {"type": ["boolean", "null"]},
+            "bf16": {"type": ["boolean", "null"], "description": "bf16 mixed precision"},
+        },
+    },
+    "TrialSpec": {
+        "type": "object",
+        "required": ["trial", "nnodes", "purpose", "knobs", "master_port"],
+        "additionalProperties": False,
+        "properties": {
+            "trial": _TRIAL,
+            "nnodes": {"type": "integer", "minimum": 1, "maximum": MAX_NODES},
+            "purpose": {"type": "string", "pattern": f"^{PURPOSE_PATTERN.pattern}$"},
+            "knobs": _ref("TrialKnobs"),
+            "master_port": {
+                "type": "integer",
+                "minimum": 1,
+                "maximum": 65535,
+                "description": "the trial's rendezvous port on node 0 (--master_addr)",
+            },
+            "config": _NULLABLE_OBJECT
+            | {"description": "the knobs as DeepSpeed's config keys (null for the profile)"},
+            "metric": {"type": "string", "enum": list(METRICS)},
+        },
+    },
+    "NodeReport": {
+        "type": "object",
+        "required": ["outcome", "duration"],
+        "additionalProperties": False,
+        "properties": {
+            "outcome": {"type": "string", "enum": list(OUTCOMES)},
+            "duration": {"type": "number", "minimum": 0, "maximum": 1e7},
+            "error": {"type": ["string", "null"], "description": "e.g. a traceback's tail"},
+            "measurements": _NULLABLE_OBJECT
+            | {"description": "node 0's: throughput, step time, peak memory of every rank"},
+            "peak_memory_bytes": {"type": ["integer", "null"], "minimum": 0},
+            "stopped": {
+                "type": "boolean",
+                "description": "the node's launcher stopped its ranks because a peer failed or "
+                "the trial was closed: the outcome is a symptom",
+            },
+        },
+    },
+    "TrialRecord": {
+        "type": "object",
+        "required": ["trial", "config", "outcome"],
+        "description": "one line of trials.jsonl (docs/level2.md lists every field)",
+        "properties": {
+            "trial": _TRIAL,
+            "config": _NULLABLE_OBJECT,
+            "outcome": {"type": "string", "enum": list(OUTCOMES)},
+            "throughput": {"type": ["number", "null"], "minimum": 0},
+        },
+    },
+    "TrialsFinish": {
+        "type": "object",
+        "required": ["mode"],
+        "additionalProperties": False,
+        "properties": {
+            "mode": {"type": "string", "enum": list(MODES)},
+            "chosen": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_TRIAL},
+            "knobs": {"oneOf": [_ref("TrialKnobs"), {"type": "null"}]},
+        },
+    },
+    "TrialsStop": {
+        "type": "object",
+        "required": ["node_rank", "reason"],
+        "additionalProperties": False,
+        "properties": {
+            "node_rank": {"type": "integer", "minimum": 0, "maximum": MAX_NODES - 1},
+            "reason": {"type": "string", "minLength": 1, "maxLength": 200},
+        },
+    },
+    "Trial": {
+        "type": "object",
+        "required": ["trial", "state", "spec", "nodes", "missing", "failed", "combined", "record"],
+        "properties": {
+            "trial": _TRIAL,
+            "state": {"type": "string", "enum": list(TRIAL_STATES)},
+            "spec": {"oneOf": [_ref("TrialSpec"), {"type": "null"}]},
+            "nodes": {
+                "type": "object",
+                "additionalProperties": _ref("NodeReport"),
+                "description": "each reported node's outcome, by node rank",
+            },
+            "missing": {"type": "array", "items": {"type": "integer"}},
+            "failed": {
+                "type": "boolean",
+                "description": "a node failed on its own: the others stop their ranks",
+            },
+            "combined": {
+                "oneOf": [
+                    {
+                        "type": "object",
+                        "required": ["outcome", "error", "node", "measurements"],
+                        "properties": {
+                            "outcome": {"type": "string", "enum": list(OUTCOMES)},
+                            "error": {"type": ["string", "null"]},
+                            "node": {"type": "integer", "minimum": 0},
+                            "measurements": _NULLABLE_OBJECT,
+                            "peak_memory_bytes": {"type": ["integer", "null"]},
+                            "duration": {"type": "number"},
+                        },
+                    },
+                    {"type": "null"},
+                ],
+                "description": "once every node reported: the first of oom, timeout, crash, "
+                "invalid, ok any node reported (a stopped node's only when all stopped)",
+            },
+            "record": {"oneOf": [_ref("TrialRecord"), {"type": "null"}]},
+        },
+    },
+    "TrialsCurrent": {
+        "type": "object",
+        "required": ["state", "trial", "finish", "stop", "acknowledged"],
+        "properties": {
+            "state": {"type": "string", "enum": list(BOARD_STATES)},
+            "trial": {"oneOf": [_ref("Trial"), {"type": "null"}]},
+            "finish": _NULLABLE_FINISH,
+            "stop": _NULLABLE_STOP,
+            "acknowledged": {
+                "type": "array",
+                "items": {"type": "integer"},
+                "description": "nodes that have asked (?node_rank=) since the finish or stop",
+            },
+        },
+    },
+    "Trials": {
+        "type": "object",
+        "required": ["state", "nnodes", "metric", "running", "best", "finish", "stop", "trials"],
+        "properties": {
+            "state": {"type": "string", "enum": list(BOARD_STATES)},
+            "nnodes": {"type": ["integer", "null"]},
+            "metric": {"type": "string", "enum": list(METRICS)},
+            "running": {"oneOf": [_ref("Trial"), {"type": "null"}]},
+            "best": {
+                "type": ["integer", "null"],
+                "description": "the chosen trial once finished, else the best ok trial so far",
+            },
+            "finish": _NULLABLE_FINISH,
+            "stop": _NULLABLE_STOP,
+            "trials": {"type": "array", "items": _ref("TrialRecord")},
+        },
+    },
+}
+_SCHEMAS.update(_TRIAL_SCHEMAS)
+
+_TRIAL_NUMBER = {
+    "name": "trial",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "integer", "minimum": 0},
+}
+_NODE_RANK = {
+    "name": "node_rank",
+    "in": "path",
+    "required": True,
+    "description": "the reporting node's --node_rank",
+    "schema": {"type": "integer", "minimum": 0},
+}
+
+
+def _trial_paths(body_of: Any) -> dict[str, Any]:
+    trials = "/api/v1/trials"
+    overview = _json(_ref("Trials"), "every recorded trial, the running one and the best")
+    return {
+        trials: {
+            "get": {
+                "summary": "level 2: every recorded trial (trials.jsonl's records) and the best",
+                "operationId": "trials",
+                "responses": {"200": overview} | _errors(401),
+            },
+            "post": {
+                "summary": "level 2, node 0: publish the next trial for every node to run",
+                "operationId": "publish_trial",
+                "requestBody": body_of("TrialSpec"),
+                "responses": {"200": _json(_ref("Trial"), "the published trial")}
+                | _errors(400, 401, 409, 413),
+            },
+        },
+        f"{trials}/current": {
+            "get": {
+                "summary": "level 2, every node: the latest trial, and the finish or stop",
+                "operationId": "current_trial",
+                "parameters": [
+                    {
+                        "name": "node_rank",
+                        "in": "query",
+                        "required": False,
+                        "description": "the asking node: noted as having seen the end",
+                        "schema": {"type": "integer", "minimum": 0, "maximum": MAX_NODES - 1},
+                    }
+                ],
+                "responses": {"200": _json(_ref("TrialsCurrent"), "what to run now")}
+                | _errors(400, 401),
+            }
+        },
+        f"{trials}/finish": {
+            "post": {
+                "summary": "level 2, node 0: the search is over; what every node trains with",
+                "operationId": "finish_trials",
+                "requestBody": body_of("TrialsFinish"),
+                "responses": {"200": overview} | _errors(400, 401, 404, 409, 413),
+            }
+        },
+        f"{trials}/stop": {
+            "post": {
+                "summary": "level 2, any node: stop the trials on every node",
+                "operationId": "stop_trials",
+                "requestBody": body_of("TrialsStop"),
+                "responses": {"200": overview} | _errors(400, 401, 413),
+            }
+        },
+        f"{trials}/{{trial}}": {
+            "get": {
+                "summary": "level 2: one trial's node reports, combined outcome and record",
+                "operationId": "trial",
+                "parameters": [_TRIAL_NUMBER],
+                "responses": {"200": _json(_ref("Trial"), "the trial")} | _errors(401, 404),
+            }
+        },
+        f"{trials}/{{trial}}/nodes/{{node_rank}}": {
+            "post": {
+                "summary": "level 2, every node: how the trial ended on this node",
+                "operationId": "report_trial",
+                "parameters": [_TRIAL_NUMBER, _NODE_RANK],
+                "requestBody": body_of("NodeReport"),
+                "responses": {"200": _json(_ref("Trial"), "the trial with this report")}
+                | _errors(400, 401, 404, 409, 413),
+            }
+        },
+        f"{trials}/{{trial}}/record": {
+            "post": {
+                "summary": "level 2, node 0: close the trial with its trials.jsonl record",
+                "operationId": "record_trial",
+                "parameters": [_TRIAL_NUMBER],
+                "requestBody": body_of("TrialRecord"),
+                "responses": {"200": _json(_ref("Trial"), "the recorded trial")}
+                | _errors(400, 401, 404, 409, 413),
+            }
+        },
+    }
+
 
 def openapi_document(version: str) -> dict[str, Any]:
     """The OpenAPI 3.1 document of the service (``version``: distune's)."""
@@ -250,7 +526,8 @@ def openapi_document(version: str) -> dict[str, Any]:
         "info": {
             "title": "distune tuning service",
             "version": version,
-            "description": "Online tuning of data-parallel communication settings.",
+            "description": "Online tuning of data-parallel communication settings, and the "
+            "coordination of level 2's trials across a job's nodes.",
         },
         "components": {
             "schemas": _SCHEMAS,
@@ -320,6 +597,7 @@ def openapi_document(version: str) -> dict[str, Any]:
                     "responses": {"200": _json(_ref("Status"), "per model")} | _errors(401),
                 }
             },
+            **_trial_paths(body_of),
             "/": {
                 "get": {
                     "summary": "the live dashboard page; it asks for the token if one is needed",

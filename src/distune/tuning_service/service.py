@@ -29,6 +29,7 @@ from distune.tuning_service import best_file, tuning_log
 from distune.tuning_service.config import TuningConfig
 from distune.tuning_service.messages import Registration, Report, check_model_name
 from distune.tuning_service.session import Reply, SampleRecord, SessionView, TuningSession
+from distune.tuning_service.trial_board import TrialBoard
 from distune.tuning_service.tuning_log import TuningLog
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ class TuningService:
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
         self._best_lock = threading.Lock()
+        #: Level 2's trials, which the service coordinates across the job's nodes.
+        self.trials = TrialBoard()
 
     def register(self, name: str, registration: Registration) -> Reply:
         """Start tuning ``name``, or resume its session if it is registered with the same facts

@@ -247,6 +247,9 @@ class _Sample(_Windows):
     #: The sample re-measures the best group or the default in a close call, and runs
     #: ``close_call_time`` times as long.
     close_call: bool = False
+    #: The window right after the switch to this sample (or the registration): not scored,
+    #: but it tells what a switch costs once the group's score is known.
+    switch: Window | None = None
 
 
 #: A window's noise (standard deviation of its log rate) assumed before any group has two.
@@ -255,6 +258,8 @@ _PRIOR_WINDOW_SIGMA = 0.05
 _MIN_WINDOW_SIGMA = 0.005
 #: The median absolute deviation of normal noise times this is its standard deviation.
 _MAD_TO_SIGMA = 1.4826
+#: A switch window is judged less this many times the dearest switch measured so far.
+_SWITCH_ALLOWANCE = 2.0
 
 
 class TuningSession:
@@ -289,6 +294,10 @@ class TuningSession:
         self._best: Best | None = None
         self._converged = False
         self._invalid_windows = 0
+        # The most a switch has cost (seconds of a switch window beyond its group's speed);
+        # None until one is measured. The registration's window counts until a switch is.
+        self._switch_cost: float | None = None
+        self._switch_cost_from_switches = False
         # train_iter of the report that finished the sample whose successor is being chosen.
         self._pending: int | None = None
         self._verdict: str | None = None
@@ -332,33 +341,47 @@ class TuningSession:
         if self._state is State.WARMUP:
             self._account_warmup(report)
             return self.view.reply, []
-        if self._discard_next:
-            self._discard_next = False
+        if not self._account(report):
             return self.view.reply, []
-        self._check_unit(report)
-        sample = self._sample
-        count = report.iterations if report.samples is None else report.samples
-        sample.windows.append(Window(count, report.iterations, report.seconds))
-        if len(sample.windows) > self.config.max_windows:
-            self._set_stalls_aside()  # before merging, which would blur them into their neighbours
-            sample.windows = bounded(sample.windows, self.config.max_windows)
-        if self._clearly_worse():
-            sample.ended_early = True
-        else:
-            if not self._sample_complete():
-                return self.view.reply, []
-            # Stalls are judged once the sample looks complete, when the most evidence is in;
-            # the windows they leave must then still make a complete sample.
-            self._set_stalls_aside()
-            if not self._sample_complete():
-                return self.view.reply, []
         records = self._finish_sample(report.train_iter)
         if decide:
             records += self.apply(self.choose_next())
         return self.view.reply, records
 
+    def _account(self, report: Report) -> bool:
+        """Add a report's window to the current sample; returns whether the sample is over."""
+        sample = self._sample
+        count = report.iterations if report.samples is None else report.samples
+        window = Window(count, report.iterations, report.seconds)
+        if self._discard_next:
+            self._discard_next = False
+            sample.switch = window
+            if not self._hopeless(window):
+                return False
+            self._check_unit(report)
+            sample.windows.append(window)  # the sample is scored with the one window it has
+            sample.ended_early = True
+            return True
+        self._check_unit(report)
+        sample.windows.append(window)
+        if len(sample.windows) > self.config.max_windows:
+            self._set_stalls_aside()  # before merging, which would blur them into their neighbours
+            sample.windows = bounded(sample.windows, self.config.max_windows)
+        if self._clearly_worse():
+            sample.ended_early = True
+            return True
+        if not self._sample_complete():
+            return False
+        # Stalls are judged once the sample looks complete, when the most evidence is in; the
+        # windows they leave must then still make a complete sample.
+        self._set_stalls_aside()
+        return self._sample_complete()
+
     def _account_warmup(self, report: Report) -> None:
         self._discard_next = False  # warmup ignores windows anyway
+        if self._sample.switch is None:  # the job's first window: what starting up costs
+            count = report.iterations if report.samples is None else report.samples
+            self._sample.switch = Window(count, report.iterations, report.seconds)
         self._warmup_seconds += report.seconds
         if self._warmup_seconds >= self.config.warmup_time:
             self._state = State.SAMPLING
@@ -407,6 +430,35 @@ class TuningSession:
             self._discard_next = True
         self.view = self._make_view()
         return records
+
+    def _hopeless(self, switch: Window) -> bool:
+        """Whether an exploring sample is hopeless from its switch window alone: even less
+        twice the dearest switch measured so far, the window ran ``hopeless_slowdown`` times
+        slower than the best group's score. A switch window is one iteration (the worker's
+        schedule), so the job has lost little; the judgement waits until a switch's cost is
+        known (the registration's window stands in for it until then)."""
+        config = self.config
+        if (
+            config.hopeless_slowdown == 0
+            or self._sample.phase not in (Phase.INITIAL, Phase.BAYES)
+            or self._best is None
+            or self._switch_cost is None
+        ):
+            return False
+        working = switch.seconds - _SWITCH_ALLOWANCE * self._switch_cost
+        return working > config.hopeless_slowdown * switch.count / self._best.score
+
+    def _learn_switch_cost(self, sample: _Sample, score: float) -> None:
+        """What the sample's switch window cost beyond its group's speed, once the score is
+        known; the registration's window counts only until a real switch is measured."""
+        if sample.switch is None or any(w is sample.switch for w in sample.windows):
+            return  # no switch window, or the sample was scored with it
+        cost = max(0.0, sample.switch.seconds - sample.switch.count / score)
+        is_switch = sample.phase is not Phase.DEFAULT or bool(self._records)
+        if is_switch and not self._switch_cost_from_switches:
+            self._switch_cost, self._switch_cost_from_switches = cost, True
+        elif is_switch or self._switch_cost is None:
+            self._switch_cost = max(cost, self._switch_cost or 0.0)
 
     def _clearly_worse(self) -> bool:
         """Whether the sample so far is hopeless: an exploring sample with its first
@@ -526,6 +578,7 @@ class TuningSession:
             )
         measured.invalid += sample.invalid
         measured.samples += 1
+        self._learn_switch_cost(sample, score)
         if sample.windows:
             # The sample's own robust score: a stall in one window moves it no more than the
             # score the group is judged by.
@@ -726,13 +779,17 @@ class TuningSession:
     def _sample_cost(self) -> Callable[[np.ndarray], np.ndarray] | None:
         """The cost of measuring a group that runs ``slowdown`` times slower than the best
         one, relative to a full sample: at least a full sample's time, and at least the
-        iterations of a sample ended early (the switch's window and ``early_end_windows``) at
-        that group's speed (None: the optimizer's cost-aware setting is off)."""
+        iterations of a sample ended early at that group's speed: its one-iteration switch
+        window, the window after it (the job learns of the end one window late) and, unless
+        the switch window can end it (``hopeless_slowdown``), ``early_end_windows`` more
+        (None: the optimizer's cost-aware setting is off)."""
         if not self.config.optimizer.cost_aware or self._best is None:
             return None
         best = self._measurements[self._best.group.hyperparameters]
         step = best.seconds / max(1, best.iterations)
-        iterations = 1 + max(1, self.config.early_end_windows)
+        iterations = 2
+        if not self.config.hopeless_slowdown:
+            iterations += max(1, self.config.early_end_windows)
         floor = self.config.sampling_confidence_time
 
         def cost(slowdown: np.ndarray) -> np.ndarray:

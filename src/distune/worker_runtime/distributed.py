@@ -40,6 +40,7 @@ from distune.worker_runtime.starting_group import StartingGroup
 from distune.worker_runtime.sync import SyncPoints
 from distune.worker_runtime.topology import HierarchicalProcessGroups, Topology, discover
 from distune.worker_runtime.torch_ddp_arguments import TorchDDPArguments
+from distune.worker_runtime.trial_measurement import measure_wrapper_in_trial
 from distune.worker_settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -160,6 +161,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if tuning:
             self._start_tuning(settings, start, hyperparameters)
         self._log_start(len(named), start, tuning)
+        # A level-2 trial of a script that never calls distune.prepare is measured here.
+        measure_wrapper_in_trial(self, module, self._runtime())
 
     def _plan_start(
         self,

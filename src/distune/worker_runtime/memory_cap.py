@@ -153,3 +153,17 @@ class CudaMemory:
     def reset_peak(self) -> None:
         """Start a new peak."""
         torch.cuda.reset_peak_memory_stats(self.device)
+
+
+def start_meter(
+    device: torch.device, cap: int | None, tensors: Iterable[torch.Tensor]
+) -> MemoryMeter:
+    """This rank's meter, capped at ``cap`` bytes: the CUDA allocator's on a GPU, else a
+    :class:`LiveTensorBytes` entered for the rest of the process (every later step of the job
+    is counted and capped), counting ``tensors`` (made before it started) too."""
+    if device.type == "cuda":
+        return CudaMemory(device, cap)
+    mode = LiveTensorBytes(cap)
+    mode.__enter__()
+    mode.track(tensors)
+    return mode

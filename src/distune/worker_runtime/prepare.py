@@ -14,6 +14,7 @@ import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -21,9 +22,14 @@ import torch.distributed as dist
 from torch import nn
 
 from distune.trial_settings import TrialSettings
-from distune.worker_runtime.memory_cap import CudaMemory, LiveTensorBytes, MemoryMeter
+from distune.worker_runtime.memory_cap import MemoryMeter, start_meter
 from distune.worker_runtime.strategy import apply, repeated_blocks
-from distune.worker_runtime.trial_measurement import TrialMeasurement, install_failure_report
+from distune.worker_runtime.trial_measurement import (
+    PREPARE,
+    TrialMeasurement,
+    install_failure_report,
+    preparing,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +47,8 @@ class Prepared:
     strategy: str
     activation_checkpointing: bool
     memory: MemoryMeter | None
+    #: bf16 mixed precision (only where the config allows it: it changes the numerics).
+    bf16: bool = False
 
     @contextlib.contextmanager
     def accumulate(self, micro_step: int) -> Iterator[None]:
@@ -51,16 +59,6 @@ class Prepared:
                 yield
         else:
             yield
-
-
-def _meter(settings: TrialSettings, device: torch.device, tensors: list[torch.Tensor]) -> Any:
-    if device.type == "cuda":
-        return CudaMemory(device, settings.device_memory)
-    mode = LiveTensorBytes(settings.device_memory)
-    # Entered for the rest of the process: every step of the job is counted (and capped).
-    mode.__enter__()
-    mode.track(tensors)
-    return mode
 
 
 def _bytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -124,19 +122,25 @@ def prepare(
     rank = dist.get_rank()
     if settings.trial_dir is not None:
         install_failure_report(settings.trial_dir, rank)
+        if settings.collective_timeout is not None:
+            # A peer rank that died (on another node, say) must not hold this one in a
+            # collective for torch's default 30 minutes, even if its launcher is gone.
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=settings.collective_timeout))
     device = next(model.parameters()).device
     micro = settings.micro_batch or micro_batch_size
     accumulation = settings.accumulation or gradient_accumulation_steps
     stage = settings.stage if settings.stage is not None else 0
     checkpointing = bool(settings.checkpointing)
+    bf16 = bool(settings.bf16)
     block_classes = tuple(blocks) if blocks is not None else repeated_blocks(model)
     parameter_bytes, gradient_bytes, largest_block = _facts(model, block_classes)
 
     meter = None
     if settings.is_trial or settings.device_memory is not None:
         tensors = [*model.parameters(), *model.buffers()]
-        meter = _meter(settings, device, tensors)
-    applied = apply(model, optimizer, stage, checkpointing, device, name, block_classes)
+        meter = start_meter(device, settings.device_memory, tensors)
+    with preparing():  # the DDP made here is measured by prepare, not by itself
+        applied = apply(model, optimizer, stage, checkpointing, device, name, block_classes, bf16)
     prepared = Prepared(
         model=applied.model,
         optimizer=applied.optimizer,
@@ -145,14 +149,16 @@ def prepare(
         strategy=_STRATEGIES[stage],
         activation_checkpointing=checkpointing,
         memory=meter,
+        bf16=bf16,
     )
     if rank == 0:
         logger.info(
-            "distune.prepare: %s, micro-batch %d x %d accumulation steps%s",
+            "distune.prepare: %s, micro-batch %d x %d accumulation steps%s%s",
             prepared.strategy,
             micro,
             accumulation,
             ", activation checkpointing" if checkpointing else "",
+            ", bf16 mixed precision" if bf16 else "",
         )
     if settings.trial_dir is not None:
         assert meter is not None
@@ -160,11 +166,13 @@ def prepare(
 
         def describe() -> dict[str, Any]:
             return {
+                "api": PREPARE,
                 "config": {
                     "micro_batch": micro,
                     "accumulation": accumulation,
                     "stage": stage,
                     "checkpointing": checkpointing,
+                    "bf16": bf16,
                 },
                 "world_size": world,
                 "parameter_bytes": parameter_bytes,

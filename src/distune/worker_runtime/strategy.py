@@ -16,6 +16,12 @@ Activation checkpointing wraps the same blocks with ``checkpoint_wrapper`` (non-
 ``torch.utils.checkpoint``): their activations are recomputed in backward instead of kept.
 A rebuilt optimizer has the user's class and hyperparameters, group by group; it must be fresh
 (no state), as it is when built right before training.
+
+bf16 mixed precision (only where the config allows it: it changes the numerics) runs the
+model's forward under ``torch.autocast(dtype=torch.bfloat16)`` under stages 0 and 1, and gives
+FSDP a ``MixedPrecision`` of bf16 parameters and buffers with gradients reduced in fp32 under
+stages 2 and 3. Either way the parameters the optimizer steps stay fp32, and the forward's
+floating-point outputs are returned as fp32, so the script's loss is computed as before.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,9 +40,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.utils._pytree import tree_map_only
 
 from distune.errors import DistuneError
 from distune.worker_runtime.distributed import DistributedDataParallel
@@ -110,6 +119,24 @@ def _rebuild(
     return type(optimizer)(param_groups, **_constructor_options(optimizer))
 
 
+def _fp32_outputs(model: nn.Module, device: torch.device, autocast: bool) -> None:
+    """Make ``model``'s forward return fp32 floating outputs, run under bf16 autocast if
+    ``autocast`` (the instance's own ``forward``: parameter names and state dict unchanged)."""
+    forward = model.forward
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        context: AbstractContextManager[Any] = (
+            torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
+        )
+        with context:
+            outputs = forward(*args, **kwargs)
+        return tree_map_only(
+            torch.Tensor, lambda t: t.float() if t.is_floating_point() else t, outputs
+        )
+
+    model.forward = run
+
+
 def apply(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -118,6 +145,7 @@ def apply(
     device: torch.device,
     name: str = "model0",
     blocks: Sequence[type[nn.Module]] | None = None,
+    bf16: bool = False,
 ) -> Applied:
     """Wrap ``model`` (and rebuild ``optimizer`` where the stage needs it)."""
     block_classes = tuple(blocks) if blocks is not None else repeated_blocks(model)
@@ -137,6 +165,8 @@ def apply(
             check_fn=lambda module: isinstance(module, block_classes),
         )
     device_ids = [device.index] if device.type == "cuda" else None
+    if bf16:
+        _fp32_outputs(model, device, autocast=stage in (0, 1))
     if stage in (0, 1):
         wrapped: nn.Module = DistributedDataParallel(model, name=name, device_ids=device_ids)
         if stage == 0:
@@ -154,5 +184,12 @@ def apply(
         auto_wrap_policy=policy,
         use_orig_params=True,
         device_id=device,
+        mixed_precision=MixedPrecision(
+            param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32,
+            buffer_dtype=torch.bfloat16,
+        )
+        if bf16
+        else None,
     )
     return Applied(wrapped, _rebuild(optimizer, wrapped, groups))

@@ -11,10 +11,15 @@ maximum is the slowest rank's. Only the leader (rank 0) writes the decision fiel
 write -1, below any value the leader writes, so the maximum is the leader's decision. Every
 rank then applies the decision before the next forward, so all switch at the same iteration.
 
-The leader picks ``iterations_to_next`` so that windows last about ``sync_interval`` seconds
-whatever the step time, growing at most fourfold per window so a slow first window (warm-up,
-lazy initialisation) is not followed by a very long one. After the decision marked
-``completed`` is applied, sync points stop: the group is final, and nothing more is measured.
+The leader picks ``iterations_to_next`` (:class:`WindowSchedule`) so that windows last about
+``sync_interval`` seconds whatever the step time, growing at most fourfold per window so one
+window that reads fast (a timer straddling a pause) is not followed by a very long one. A switch
+is the exception: the new group's speed is unknown (a hopeless group can be a thousand times
+slower than the one before), so the window after a switch lasts ONE iteration, and the next
+is sized from that iteration's time, at most as long as the window before the switch. A new
+group thus costs at most a few of its own iterations before the service sees a window of it.
+After the decision marked ``completed`` is applied, sync points stop: the group is final, and
+nothing more is measured.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch.distributed as dist
 
 from distune.space import Hyperparameters
 from distune.worker_runtime.leader_client import LeaderClient, WindowReport
-from distune.worker_runtime.meter import WindowMeter
+from distune.worker_runtime.meter import Window, WindowMeter
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +42,8 @@ logger = logging.getLogger(__name__)
 _PLACEHOLDER = -1.0
 #: At most this many times the previous window's iterations in the next window.
 MAX_GROWTH = 4
+#: Iterations of the window right after a switch: the new group's speed is not known yet.
+SWITCH_WINDOW = 1
 
 
 @dataclass(frozen=True)
@@ -107,12 +114,44 @@ def exchange(
     return decode(tensor.tolist())
 
 
-def iterations_to_next(seconds: float, iterations: int, sync_interval: float) -> int:
-    """Iterations the next window should last to take about ``sync_interval`` seconds."""
+def iterations_to_next(
+    seconds: float, iterations: int, sync_interval: float, ceiling: int = 0
+) -> int:
+    """Iterations the next window should last to take about ``sync_interval`` seconds, after a
+    window of ``iterations`` that took ``seconds``: at most ``MAX_GROWTH`` times as many, or
+    ``ceiling`` where that is more."""
     if not (math.isfinite(seconds) and seconds > 0):
         return iterations
     target = round(sync_interval * iterations / seconds)
-    return max(1, min(target, MAX_GROWTH * iterations))
+    return max(1, min(target, max(MAX_GROWTH * iterations, ceiling)))
+
+
+class WindowSchedule:
+    """How many iterations each window lasts: the leader's side of the schedule (every rank
+    learns the result at the sync point, so all know the next one's iteration in advance).
+
+    After a switch the window is :data:`SWITCH_WINDOW` iterations long; the window after it is
+    sized from its time, with the window before the switch as the ceiling of its growth (its
+    time includes the switch's own cost, so it reads slow: the next window comes out no longer
+    than ``sync_interval``). Otherwise windows aim at ``sync_interval``
+    (:func:`iterations_to_next`).
+    """
+
+    def __init__(self, sync_interval: float) -> None:
+        self.sync_interval = sync_interval
+        self._ceiling = 0
+
+    def next(self, window: Window, switching: bool) -> int:
+        """Iterations of the window after ``window``; ``switching``: the group changes now."""
+        if switching:
+            # Switches in a row (a sample ended at its first window) keep the earlier ceiling.
+            self._ceiling = max(self._ceiling, window.iterations)
+            return SWITCH_WINDOW
+        iterations = iterations_to_next(
+            window.seconds, window.iterations, self.sync_interval, self._ceiling
+        )
+        self._ceiling = 0
+        return iterations
 
 
 class SyncPoints:
@@ -138,7 +177,7 @@ class SyncPoints:
         self._device = device
         self._client = client
         self._hyperparameters = hyperparameters
-        self._sync_interval = sync_interval
+        self._schedule = WindowSchedule(sync_interval)
         if client is not None:
             weakref.finalize(self, client.close)
         self._meter = WindowMeter(device)
@@ -167,13 +206,12 @@ class SyncPoints:
         decision = None
         if self._client is not None:
             answer = self._client.latest()
+            hyperparameters = self._hyperparameters if answer is None else answer.hyperparameters
             decision = Decision(
                 group_id=None if answer is None else answer.group_id,
-                hyperparameters=(
-                    self._hyperparameters if answer is None else answer.hyperparameters
-                ),
-                iterations_to_next=iterations_to_next(
-                    window.seconds, window.iterations, self._sync_interval
+                hyperparameters=hyperparameters,
+                iterations_to_next=self._schedule.next(
+                    window, switching=hyperparameters != self._hyperparameters
                 ),
                 # A model the service refused is not tuned: every rank stops at this point.
                 completed=self._client.refused or (answer is not None and answer.completed),

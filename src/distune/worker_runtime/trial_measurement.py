@@ -14,29 +14,58 @@ launcher reads these files; it never guesses from a process's output.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
-from distune.worker_runtime.memory_cap import MemoryMeter
+from distune.errors import DistuneError
+from distune.trial_settings import MICRO_BATCH, TrialSettings
+from distune.worker_runtime.memory_cap import LiveTensorBytes, MemoryMeter, start_meter
+
+if TYPE_CHECKING:
+    from distune.worker_runtime.reducer import Reducer
 
 #: Rank 0's aggregated result; each rank's own file is ``rank<R>.json``.
 RESULT_FILE = "result.json"
-#: Rank 0 rewrites this with the number of finished steps: the launcher's watchdog reads it.
+#: Each node's first rank rewrites this with the number of finished steps: that node
+#: launcher's watchdog reads it.
 PROGRESS_FILE = "progress"
 _TRACEBACK_TAIL_LINES = 12
 _OOM_MESSAGES = ("out of memory", "can't allocate memory", "DefaultCPUAllocator")
+#: The result's ``api``: how the script took its configuration.
+PREPARE = "prepare"
+WRAPPER = "wrapper"
+#: True while ``distune.prepare`` builds its wrappers: they are measured by prepare.
+_PREPARING: ContextVar[bool] = ContextVar("distune_preparing", default=False)
+
+
+class TrialStepError(DistuneError, RuntimeError):
+    """A trial's steps do not match its configuration; the message says what differed."""
+
+
+@contextlib.contextmanager
+def preparing() -> Iterator[None]:
+    """Around ``distune.prepare``'s wrapping: a DistributedDataParallel made inside is not
+    measured by itself (prepare measures the optimizer's steps)."""
+    token = _PREPARING.set(True)
+    try:
+        yield
+    finally:
+        _PREPARING.reset(token)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -96,6 +125,7 @@ class TrialMeasurement:
         self.measured = measured
         self.device = device
         self.rank = dist.get_rank()
+        self._writes_progress = int(os.environ.get("LOCAL_RANK", self.rank)) == 0
         self._describe = describe
         self._steps = 0
         self._last = time.perf_counter()
@@ -116,6 +146,9 @@ class TrialMeasurement:
         """Time ``optimizer``'s steps and watch ``model``'s forwards (activation bytes), and
         its repeated ``blocks``' (what checkpointing them would keep instead)."""
         optimizer.register_step_post_hook(self._after_step)
+        self._watch(model, blocks)
+
+    def _watch(self, model: nn.Module, blocks: tuple[type[nn.Module], ...]) -> None:
         model.register_forward_pre_hook(self._before_forward)
         model.register_forward_hook(self._after_forward)
         for module in model.modules():
@@ -155,7 +188,7 @@ class TrialMeasurement:
         elif self._steps == self.warmup:
             self.meter.reset_peak()
         self._last = now
-        if self.rank == 0:
+        if self._writes_progress:
             write_json(self.trial_dir / PROGRESS_FILE, {"steps": self._steps})
         if self._steps == self.warmup + self.measured:
             self._finish()
@@ -198,3 +231,146 @@ class TrialMeasurement:
         # The trial is over: the script's remaining loop must not run (see examples/job.py on
         # why a rank ends without finalizing the interpreter).
         os._exit(0)
+
+
+def _samples(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """The batch size of a forward: the first input tensor's first dimension."""
+    for leaf in tree_leaves((inputs, kwargs)):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return None
+
+
+class WrapperMeasurement(TrialMeasurement):
+    """A trial measured through ``distune.DistributedDataParallel`` (no ``distune.prepare``).
+
+    A step ends with each synchronised backward. The micro-batch is the batch size of the
+    wrapper's forwards (the first input tensor's first dimension), the accumulation steps
+    the forwards of a step; where the launcher set them (through ``arg_mappings``), a script
+    that runs something else ends the trial as a crash saying so, rather than be measured as
+    what it is not.
+    """
+
+    def __init__(
+        self,
+        trial_dir: Path,
+        meter: MemoryMeter,
+        settings: TrialSettings,
+        module: nn.Module,
+        device: torch.device,
+    ) -> None:
+        params = list(module.parameters())
+        self._facts = {
+            "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
+            "gradient_bytes": sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+            # Only DDP without checkpointing is tried: no block or optimizer share is needed,
+            # and the optimizer (which the wrapper never sees) is in the profile's residual.
+            "largest_block_bytes": 0,
+            "optimizer_state_bytes": 0,
+        }
+        super().__init__(
+            trial_dir,
+            meter,
+            samples_per_step=0,
+            micro_batch=0,
+            warmup=settings.warmup_steps,
+            measured=settings.measured_steps,
+            device=device,
+            describe=self._describe_wrapper,
+        )
+        self._settings = settings
+        self._params = params
+        self._forwards = 0
+        self._forward_samples: int | None = None
+        self.accumulation = 0
+
+    def attach_wrapper(self, wrapper: nn.Module, reducer: Reducer) -> None:
+        """Count ``wrapper``'s forwards and end a step with each synchronised backward."""
+        wrapper.register_forward_pre_hook(self._count_forward, with_kwargs=True)
+        self._watch(wrapper, ())
+        previous = reducer.on_iteration
+
+        def on_iteration(iterations: int) -> Any:
+            self._after_step()
+            return None if previous is None else previous(iterations)
+
+        reducer.on_iteration = on_iteration
+
+    def _count_forward(self, _module: nn.Module, inputs: tuple[Any, ...], kwargs: Any) -> None:
+        if torch.is_grad_enabled():
+            self._forwards += 1
+            if self._forward_samples is None:
+                self._forward_samples = _samples(inputs, kwargs)
+
+    def _after_step(self, *_: Any) -> None:
+        if self._steps == 0:
+            self._learn_step()
+        elif self._forwards != self.accumulation:
+            raise TrialStepError(
+                f"distune trial: this optimizer step ran {self._forwards} forward(s), the first "
+                f"ran {self.accumulation}: the steps of a trial must be alike"
+            )
+        self._forwards = 0
+        super()._after_step()
+
+    def _learn_step(self) -> None:
+        micro = self._forward_samples
+        if micro is None:
+            raise TrialStepError(
+                "distune trial: no tensor among the model's inputs tells the batch size; "
+                "use distune.prepare, which is told the micro-batch"
+            )
+        wanted = self._settings.micro_batch
+        accumulation = self._settings.accumulation
+        if wanted is not None and micro != wanted:
+            raise TrialStepError(
+                f"distune trial: train_micro_batch_size_per_gpu={wanted} ({MICRO_BATCH}), but "
+                f"the script's forwards take "
+                f"{micro} samples: does its config's arg_mappings name the flag that sets "
+                "the batch size per forward?"
+            )
+        if accumulation is not None and self._forwards != accumulation:
+            raise TrialStepError(
+                f"distune trial: gradient_accumulation_steps={accumulation}, but the script ran "
+                f"{self._forwards} forward(s) per synchronised backward: does arg_mappings "
+                "name its accumulation flag, and does it accumulate under no_sync()?"
+            )
+        self.micro_batch = micro
+        self.accumulation = self._forwards
+        self.samples_per_step = micro * self._forwards * dist.get_world_size()
+        if isinstance(self.meter, LiveTensorBytes):
+            # The gradient buckets were made before the count began: count them now.
+            self.meter.track(p.grad for p in self._params if p.grad is not None)
+
+    def _describe_wrapper(self) -> dict[str, Any]:
+        return {
+            "api": WRAPPER,
+            "config": {
+                "micro_batch": self.micro_batch,
+                "accumulation": self.accumulation,
+                "stage": 0,
+                "checkpointing": False,
+            },
+            "world_size": dist.get_world_size(),
+            **self._facts,
+        }
+
+
+def measure_wrapper_in_trial(wrapper: nn.Module, module: nn.Module, reducer: Reducer) -> None:
+    """Called by every ``distune.DistributedDataParallel`` it builds. Inside a level-2 trial
+    (``DISTUNE_TRIAL_DIR``) of a script that did not go through ``distune.prepare``, measure
+    its steps through the wrapper, capped, and report as a prepared trial does; outside one,
+    only apply the device memory cap if the launcher set one."""
+    if _PREPARING.get():
+        return
+    settings = TrialSettings.from_env()
+    if not settings.is_trial and settings.device_memory is None:
+        return
+    device = next(module.parameters()).device
+    meter = start_meter(device, settings.device_memory, [*module.parameters(), *module.buffers()])
+    if settings.trial_dir is None:
+        return
+    rank = dist.get_rank()
+    install_failure_report(settings.trial_dir, rank)
+    measurement = WrapperMeasurement(settings.trial_dir, meter, settings, module, device)
+    measurement.attach_wrapper(wrapper, reducer)

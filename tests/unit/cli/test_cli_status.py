@@ -21,6 +21,13 @@ from distune.tuning_service.config import TuningConfig
 from distune.tuning_service.messages import Registration, Report
 from distune.tuning_service.service import TuningService
 from distune.tuning_service.session import StaleGroupError
+from distune.tuning_service.trial_messages import (
+    NodeReport,
+    TrialKnobs,
+    TrialRecord,
+    TrialsFinish,
+    TrialSpec,
+)
 from tests.support.models import SINGLE_NODE_REGISTRATION as FACTS
 from tests.support.service_process import TOKEN
 
@@ -246,3 +253,64 @@ def test_the_commands_load_neither_torch_nor_pandas_nor_matplotlib_until_needed(
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.stdout.strip() == "[]", run.stderr
+
+
+def drive_trials(service):
+    """A two-node level-2 tuning, scripted: a profile, an oom, a better ok trial, one running."""
+    board = service.trials
+    knobs = TrialKnobs(micro_batch=2, accumulation=4, stage=0, checkpointing=False)
+    configs = [
+        {"train_micro_batch_size_per_gpu": m, "gradient_accumulation_steps": a,
+         "zero_optimization": {"stage": s}, "activation_checkpointing": c}
+        for m, a, s, c in ((2, 4, 0, False), (8, 1, 0, False), (4, 2, 1, True), (1, 8, 3, False))
+    ]  # fmt: skip
+    outcomes = [("profile", "ok", 75.3, None), ("search", "oom", None, 31 * 2**20),
+                ("search", "ok", 81.2, 22 * 2**20)]  # fmt: skip
+    for trial, (purpose, outcome, rate, predicted) in enumerate(outcomes):
+        board.publish(TrialSpec(trial, 2, purpose, knobs, 29600 + trial, configs[trial]))
+        for node_rank in (0, 1):
+            board.report(trial, node_rank, NodeReport(outcome, 10.0))
+        record = {
+            "trial": trial, "purpose": purpose, "config": configs[trial], "outcome": outcome,
+            "throughput": rate, "throughput_spread": 0.06 if rate else None,
+            "peak_memory_bytes": 21 * 2**20 if rate else None, "predicted_memory_bytes": predicted,
+        }  # fmt: skip
+        board.record(trial, TrialRecord(record))
+    board.publish(TrialSpec(3, 2, "search", knobs, 29603, configs[3]))
+    board.report(3, 1, NodeReport("ok", 10.0))
+
+
+def test_level2_trials_show_with_outcome_throughput_memory_and_the_best(capsys):
+    service = TuningService()
+    server = Server(service)
+    try:
+        assert main(["status", "--service", server.url, "--token", TOKEN]) == 0
+        assert capsys.readouterr().out == "no model has registered with the tuning service yet\n"
+        drive_trials(service)
+        assert main(["status", "--service", server.url, "--token", TOKEN]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0] == (
+            "level 2: tuning on 2 nodes; 3 trials recorded; trial 3 running (search, 1 x 8), "
+            "1 of 2 nodes reported; best so far: trial 2"
+        )
+        assert lines[1].split()[:4] == ["TRIAL", "PURPOSE", "STRATEGY", "MICRO"]
+        rows = [line.split() for line in lines[2:]]
+        assert rows[0] == ["0", "profile", "ddp", "2", "x", "4", "ok", "75.3", "samples/s",
+                           "6%", "-", "21.0", "MiB"]  # fmt: skip
+        assert rows[1] == ["1", "search", "ddp", "8", "x", "1", "oom", "-", "-", "31.0", "MiB",
+                           "-"]  # fmt: skip
+        assert rows[2][2] == "zero1+ckpt" and rows[2][-1] == "*"  # the best so far
+        assert rows[2][-5:-1] == ["22.0", "MiB", "21.0", "MiB"]  # predicted, then measured
+        # Once node 0 chooses, the line says so; --json carries the trials document too.
+        service.trials.report(3, 0, NodeReport("ok", 10.0))
+        service.trials.record(3, TrialRecord({"trial": 3, "config": None, "outcome": "crash"}))
+        service.trials.finish(TrialsFinish("run", 2, TrialKnobs()))
+        assert main(["status", "--service", server.url, "--token", TOKEN]) == 0
+        assert "level 2: finished on 2 nodes; 4 trials recorded; chosen: trial 2" in (
+            capsys.readouterr().out
+        )
+        assert main(["status", "--service", server.url, "--token", TOKEN, "--json"]) == 0
+        document = json.loads(capsys.readouterr().out)
+        assert document["models"] == {} and document["trials"]["best"] == 2
+    finally:
+        server.close()

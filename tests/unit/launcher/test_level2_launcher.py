@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from distune.launcher.level2 import command_without_tuning, rewrite_script_args
+from distune.launcher.level2 import command_without_tuning
 from distune.launcher.options import parse, trial_pins
+from distune.launcher.trial_args import rewrite_script_args
 from distune.launcher.trial_runner import classify
 from distune.tuning_service.trials.trial_config import TrialPins
 
@@ -149,20 +150,46 @@ def test_the_arg_mappings_example_config_is_valid() -> None:
     example = Path(__file__).resolve().parents[3] / "examples" / "level2_arg_mappings.yaml"
     args, _ = parse(["--autotune_level", "2", "--autotune_config", str(example), "t.py"])
     pins = trial_pins(args)
-    assert pins.global_batch == 32
+    assert pins.global_batch is None  # the script's own global batch is kept
     assert rewrite_script_args(["--batch-size", "2"], pins, 8, 2) == [
         "--grad-accum", "2", "--batch-size", "8",
     ]  # fmt: skip
 
 
-def test_level2_refuses_several_nodes_and_a_results_dir_already_used(tmp_path: Path) -> None:
-    from distune.launcher.level2 import Level2
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--nnodes", "1:2"], r"--nnodes 1:2: trials need a fixed number of nodes"),
+        (
+            ["--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "h:29400"],
+            r"uses static rendezvous .* got --rdzv_backend c10d with --rdzv_endpoint",
+        ),
+    ],
+)
+def test_level2_on_several_nodes_refuses_what_trials_cannot_coordinate(flags, message) -> None:
+    from distune.launcher.level2 import trial_world
     from distune.launcher.options import OptionError
 
-    argv = ["--nnodes", "2", "--nproc_per_node", "2", "--autotune_level", "2", "t.py"]
-    args, options = parse(argv)
-    with pytest.raises(OptionError, match="trials run on one node"):
-        Level2(args, options, TrialPins(), argv)
+    args, _ = parse([*flags, "--nproc_per_node", "2", "--autotune_level", "2", "t.py"])
+    with pytest.raises(OptionError, match=message):
+        trial_world(args)
+
+
+def test_level2_counts_every_node_in_the_trials_world() -> None:
+    from distune.launcher.level2 import trial_world
+
+    argv = ["--nnodes", "2", "--nproc_per_node", "3", "--master_addr", "10.0.0.1"]
+    args, _ = parse([*argv, "--autotune_level", "2", "t.py"])
+    assert trial_world(args) == (2, 6)
+    args, _ = parse(["--nproc_per_node", "3", "--autotune_level", "2", "t.py"])
+    assert trial_world(args) == (1, 3)
+
+
+def test_level2_refuses_a_results_dir_already_used(tmp_path: Path) -> None:
+    from distune.launcher.level2 import Level2
+    from distune.launcher.options import OptionError
+    from distune.launcher.trial_client import TrialClient
+
     used = tmp_path / "results"
     used.mkdir()
     (used / "trials.jsonl").write_text("")
@@ -177,4 +204,21 @@ def test_level2_refuses_several_nodes_and_a_results_dir_already_used(tmp_path: P
     ]
     args, options = parse(argv)
     with pytest.raises(OptionError, match=r"already holds trials\.jsonl"):
-        Level2(args, options, TrialPins(), argv)
+        Level2(args, options, TrialPins(), argv, TrialClient("http://127.0.0.1:9"))
+
+
+def test_a_script_measured_through_its_wrapper_keeps_ddp_and_its_unmapped_knobs() -> None:
+    from distune.launcher.level2 import space_pins
+    from distune.tuning_service.trials.trial_config import TrialConfig, TrialConfigError
+
+    own = TrialConfig(2, 4, 0, False)
+    mapped = TrialPins(arg_mappings=(("train_micro_batch_size_per_gpu", "--batch-size"),))
+    assert space_pins(mapped, own, "prepare") == mapped  # prepare: everything stays free
+    # Only the micro-batch flag is mapped: the accumulation stays the script's own.
+    assert space_pins(mapped, own, "wrapper") == TrialPins(
+        accumulation=4, stage=0, checkpointing=False, arg_mappings=mapped.arg_mappings
+    )
+    with pytest.raises(TrialConfigError, match=r"never calls distune\.prepare and the config has"):
+        space_pins(TrialPins(), own, "wrapper")
+    with pytest.raises(TrialConfigError, match=r"need the script to call distune\.prepare"):
+        space_pins(TrialPins(stage=2, arg_mappings=mapped.arg_mappings), own, "wrapper")

@@ -220,7 +220,7 @@ def test_under_a_cap_sharding_or_checkpointing_reaches_the_best_micro_batch() ->
 def test_an_out_of_memory_trial_prunes_larger_micro_batches_of_its_family() -> None:
     search = new_search(None)
     search.record(TrialResult(0, TrialConfig(8, 2, 1, False), WORLD, OOM, peak_memory_bytes=None))
-    proposal = search._next_in_family(1, False)
+    proposal = search._next_in_family(1, False, False)
     assert proposal is not None and proposal.config.micro_batch == 4
     assert "pruned" in search.decisions[-1]
 
@@ -323,3 +323,53 @@ def test_a_stage_that_fits_no_larger_micro_batch_than_a_cheaper_one_is_skipped()
     ran = run_search(search, None)
     assert {r.config.stage for r in ran} == {0}
     assert any("zero1: skipped" in d for d in search.decisions)
+
+
+# -- mixed precision -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("config", "pinned"),
+    [
+        ({}, False),  # absent: never (it changes the numerics)
+        ({"bf16": {"enabled": False}}, False),
+        ({"bf16": {"enabled": True}}, True),
+        ({"bf16": {"enabled": "auto"}}, None),
+        ({"bf16": "auto"}, None),
+    ],
+)
+def test_bf16_is_allowed_only_where_the_config_says_so(config, pinned) -> None:
+    assert TrialPins.from_config(config).bf16 is pinned
+
+
+def test_a_bad_bf16_section_names_what_is_allowed() -> None:
+    with pytest.raises(TrialConfigError, match="bf16 must be a mapping with enabled: true"):
+        TrialPins.from_config({"bf16": {"enabled": "maybe"}})
+
+
+def bf16_speed(config: TrialConfig) -> float:
+    return speed(config) * (1.3 if config.bf16 else 1.0)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_pinned_or_absent_bf16_is_never_changed(bf16) -> None:
+    search = new_search(700 * MiB, TrialPins(bf16=bf16))
+    ran = run_search(search, 700 * MiB, bf16_speed)
+    assert {r.config.bf16 for r in ran} == {bf16}
+    assert search.best().bf16 is bf16
+
+
+def test_with_bf16_allowed_the_search_tries_it_as_a_family_and_keeps_it_if_faster() -> None:
+    search = new_search(700 * MiB, TrialPins(bf16=None))
+    ran = run_search(search, 700 * MiB, bf16_speed)
+    tried = [(r.config.stage, r.config.bf16) for r in ran if r.purpose == "search"]
+    # DDP in full precision first, then its bf16 twin (predicted as the twin until measured).
+    assert tried[:2] == [(0, False), (0, True)]
+    best = search.best()
+    assert best is not None and best.bf16
+    assert best.to_config(WORLD)["bf16"] == {"enabled": True}
+    assert TrialConfig.from_config(best.to_config(WORLD)) == best
+    # Slower in full precision: kept off.
+    search = new_search(700 * MiB, TrialPins(bf16=None))
+    run_search(search, 700 * MiB, lambda c: speed(c) * (0.7 if c.bf16 else 1.0))
+    assert not search.best().bf16

@@ -45,7 +45,7 @@ class TestEarlyEnd:
         for _ in range(6):
             send(s, 100.0)  # the default: the switch window, then 5 s
         assert s.view.samples == 1 and s.view.current.hyperparameters != FLAT
-        send(s, 5.0)  # the switch's window: discarded
+        send(s, 50.0)  # the switch's window: not hopeless on its own, discarded
         assert send(s, 20.0)[1] == []  # one window is not enough to judge
         (record,) = send(s, 21.0)[1]
         assert record.phase is Phase.INITIAL and record.ended_early
@@ -81,11 +81,93 @@ class TestEarlyEnd:
         assert records[0].phase is Phase.CONFIRM and not records[0].ended_early
 
     def test_early_end_can_be_switched_off(self):
-        s = session(fixed=FixedKnobs(), max_samples=3, confirm_top=0, early_end_windows=0)
+        s = session(
+            fixed=FixedKnobs(),
+            max_samples=3,
+            confirm_top=0,
+            early_end_windows=0,
+            hopeless_slowdown=0,
+        )
         for _ in range(6):
             send(s, 100.0)
         send(s, 5.0)
+        assert s.view.samples == 1  # not ended at its switch window either
         assert send(s, 20.0)[1] == [] and send(s, 20.0)[1] == []  # measured in full
+
+
+class TestHopelessSwitchWindow:
+    """The worker's window after a switch lasts one iteration: a group that is hopeless even
+    allowing for what a switch costs ends right there."""
+
+    @staticmethod
+    def default_sample(s: TuningSession, startup: float) -> None:
+        """The default group at 100 iterations/s; its first window carries ``startup``."""
+        s.report(Report(s.view.current.id, 0, 100, 1.0 + startup))
+        for _ in range(5):
+            send(s, 100.0)
+        assert s.view.samples == 1
+
+    @staticmethod
+    def one_iteration(s: TuningSession, seconds: float):
+        return s.report(Report(s.view.current.id, 0, 1, seconds))
+
+    def test_a_hopeless_sample_ends_at_its_switch_window_scored_with_it(self):
+        s = session(fixed=FixedKnobs(), max_samples=3, confirm_top=0)
+        self.default_sample(s, startup=0.2)
+        explored = s.view.current
+        # One iteration in 12 s, against 0.01 s at the best group's speed: even less twice
+        # the 0.2 s a start (or switch) costs, it is far beyond hopeless_slowdown (4x).
+        (record,) = self.one_iteration(s, 12.0)[1]
+        assert record.group == explored and record.phase is Phase.INITIAL
+        assert record.ended_early and record.windows == 1 and record.iterations == 1
+        assert record.score == pytest.approx(1 / 12)
+        assert s.view.samples == 2 and s.view.current != explored
+
+    def test_a_noisy_good_sample_with_a_dear_switch_is_measured_in_full(self):
+        s = session(fixed=FixedKnobs(), max_samples=3, confirm_top=0)
+        self.default_sample(s, startup=0.2)
+        explored = s.view.current
+        # 26x slower than 100/s, but all of it within twice the switch cost measured so far.
+        assert self.one_iteration(s, 0.26)[1] == []
+        records = []
+        for rate in (92.0, 108.0, 95.0, 105.0, 99.0):  # +-8%: noise, not a slower group
+            assert records == []
+            records += send(s, rate)[1]
+        (record,) = records
+        assert record.group == explored and not record.ended_early and record.windows == 5
+        assert record.score == pytest.approx(99.67, abs=0.01)
+
+    def test_measured_switches_replace_the_start_up_as_the_allowance(self):
+        s = session(fixed=FixedKnobs(), max_samples=4, confirm_top=0)
+        self.default_sample(s, startup=5.0)  # a slow start: 5 s
+        assert self.one_iteration(s, 0.3)[1] == []  # a switch that costs 0.29 s
+        for _ in range(5):
+            send(s, 100.0)
+        assert s.view.samples == 2
+        # 3 s for one iteration: within twice the start-up's 5 s, but far beyond the switch's.
+        (record,) = self.one_iteration(s, 3.0)[1]
+        assert record.ended_early and record.windows == 1
+
+    def test_the_default_and_confirmations_are_never_ended_at_the_switch(self):
+        s = session(max_samples=4)
+        self.default_sample(s, startup=0.0)
+        assert self.one_iteration(s, 0.01)[1] == []
+        for _ in range(5):
+            send(s, 150.0)  # hierarchical, now the best
+        assert s.view.samples == 2
+        assert self.one_iteration(s, 10.0)[1] == []  # the default again: a confirmation
+        assert s.view.samples == 2
+
+    def test_the_switch_window_judgement_can_be_switched_off(self):
+        s = session(fixed=FixedKnobs(), max_samples=3, confirm_top=0, hopeless_slowdown=0)
+        self.default_sample(s, startup=0.2)
+        assert self.one_iteration(s, 12.0)[1] == []
+        assert s.view.samples == 1
+
+    @pytest.mark.parametrize("value", [0.5, -1, True, "4"])
+    def test_a_slowdown_below_one_is_refused(self, value):
+        with pytest.raises(ConfigError, match="hopeless_slowdown must be 0 \\(off\\) or"):
+            TuningConfig(hopeless_slowdown=value)
 
 
 class TestHonestGain:

@@ -85,8 +85,15 @@ def test_a_sample_needs_both_its_time_and_its_windows():
 
 
 def test_first_window_after_a_switch_is_discarded():
-    # A steady 80 against 100 would end early (see the early-end tests): measured in full here.
-    config = TuningConfig(sampling_confidence_time=3.0, warmup_time=0, seed=1, early_end_windows=0)
+    # A steady 80 against 100 would end early, and so would a switch window this slow without
+    # a switch cost measured before it (see the early-end tests): measured in full here.
+    config = TuningConfig(
+        sampling_confidence_time=3.0,
+        warmup_time=0,
+        seed=1,
+        early_end_windows=0,
+        hopeless_slowdown=0,
+    )
     s = session(config)
     for _ in range(4):
         window(s, 100.0)

@@ -7,11 +7,13 @@ import torch
 import torch.distributed as dist
 
 from distune import Hyperparameters
-from distune.worker_runtime.meter import WindowMeter
+from distune.worker_runtime.meter import Window, WindowMeter
 from distune.worker_runtime.sync import (
     MAX_GROWTH,
+    SWITCH_WINDOW,
     Agreement,
     Decision,
+    WindowSchedule,
     decode,
     encode,
     exchange,
@@ -62,6 +64,36 @@ def test_no_leader_is_an_error_not_a_silent_default():
 )
 def test_windows_aim_at_the_sync_interval(seconds, iterations, interval, expected):
     assert iterations_to_next(seconds, iterations, interval) == expected
+
+
+def test_a_ceiling_lets_a_window_grow_back_past_fourfold():
+    assert iterations_to_next(0.01, 1, 1.0, ceiling=50) == 50
+    assert iterations_to_next(0.01, 1, 1.0, ceiling=2) == MAX_GROWTH
+
+
+class TestWindowSchedule:
+    def test_a_switch_is_one_iteration_then_sized_from_it_up_to_the_window_before(self):
+        schedule = WindowSchedule(1.0)
+        assert schedule.next(Window(200, 1.0), switching=True) == SWITCH_WINDOW
+        # The new group: 0.02 s for its first iteration (the switch's cost included).
+        assert schedule.next(Window(1, 0.02), switching=False) == 50
+        # Never longer than the window before the switch, however fast the first one read.
+        schedule.next(Window(40, 1.0), switching=True)
+        assert schedule.next(Window(1, 0.001), switching=False) == 40
+
+    def test_a_hopeless_group_costs_one_iteration_a_window(self):
+        schedule = WindowSchedule(1.0)
+        schedule.next(Window(1000, 1.0), switching=True)
+        assert schedule.next(Window(1, 12.0), switching=False) == 1
+        assert schedule.next(Window(1, 12.0), switching=False) == 1
+
+    def test_switches_in_a_row_keep_the_earlier_ceiling_then_it_is_spent(self):
+        schedule = WindowSchedule(1.0)
+        schedule.next(Window(100, 1.0), switching=True)
+        schedule.next(Window(1, 5.0), switching=True)  # ended at its switch window
+        assert schedule.next(Window(1, 0.001), switching=False) == 100
+        # From then on windows grow at most fourfold again.
+        assert schedule.next(Window(100, 0.01), switching=False) == 100 * MAX_GROWTH
 
 
 def test_decisions_need_at_least_one_iteration():

@@ -1,6 +1,6 @@
 // The tuning service's live dashboard: polls /api/v1/status and, when a model's samples change,
 // its CSV log, and draws one card per model with an SVG chart of the run (the chart that
-// `distune plot` draws). Plain JavaScript, no third-party code: the service serves all of it.
+// `distune plot` draws); with level 2, polls /api/v1/trials and shows a table of the trials. Plain JavaScript, no third-party code: the service serves all of it.
 "use strict";
 
 const TOKEN_KEY = "distune.service-token";
@@ -343,6 +343,86 @@ async function refreshChart(entry, name, model) {
   entry.state = model.state;
 }
 
+// --- level 2's trials --------------------------------------------------------------------------
+
+const STRATEGIES = ["ddp", "zero1", "zero2", "zero3"];
+
+function mebibytes(value) {
+  return typeof value === "number" ? `${(value / 2 ** 20).toFixed(1)} MiB` : "-";
+}
+
+function trialStrategy(config) {
+  if (!config) return "?";
+  const stage = (config.zero_optimization || {}).stage;
+  const name = STRATEGIES[stage] ?? "?";
+  return config.activation_checkpointing ? `${name} + checkpointing` : name;
+}
+
+function trialBatches(config) {
+  if (!config) return "script's own";
+  return `${config.train_micro_batch_size_per_gpu} x ${config.gradient_accumulation_steps}`;
+}
+
+function trialsHeadline(trials) {
+  const nodes = trials.nnodes === null ? "" : ` on ${trials.nnodes} node${trials.nnodes === 1 ? "" : "s"}`;
+  const parts = [`${trials.state}${nodes}`, `${trials.trials.length} trials recorded`];
+  if (trials.running) {
+    const spec = trials.running.spec || {};
+    const reported = Object.keys(trials.running.nodes).length;
+    parts.push(`trial ${trials.running.trial} running (${spec.purpose}, ` +
+      `${trialBatches(spec.config)}), ${reported} of ${spec.nnodes} nodes reported`);
+  }
+  if (trials.best !== null) {
+    const chosen = trials.finish && trials.finish.chosen === trials.best;
+    parts.push(`${chosen ? "chosen" : "best so far"}: trial ${trials.best}`);
+  }
+  if (trials.stop) parts.push(`stopped by node ${trials.stop.node_rank} (${trials.stop.reason})`);
+  return parts.join("; ");
+}
+
+function showTrials(trials) {
+  const section = document.getElementById("trials");
+  section.hidden = trials === null || (trials.state === "waiting" && trials.trials.length === 0);
+  if (section.hidden) return;
+  document.getElementById("trials-headline").textContent = trialsHeadline(trials);
+  const body = document.querySelector("#trials-table tbody");
+  const rows = trials.trials.map((record) => {
+    const row = document.createElement("tr");
+    row.classList.toggle("best", record.trial === trials.best);
+    const cells = [
+      [String(record.trial), ""],
+      [record.purpose ?? "?", ""],
+      [trialStrategy(record.config), ""],
+      [trialBatches(record.config), ""],
+      [record.outcome, `outcome-${record.outcome}`],
+      [typeof record.throughput === "number"
+        ? `${Number(record.throughput.toPrecision(4))} samples/s` : "-", ""],
+      [typeof record.throughput_spread === "number"
+        ? `${(100 * record.throughput_spread).toFixed(0)}%` : "-", ""],
+      [mebibytes(record.predicted_memory_bytes), ""],
+      [mebibytes(record.peak_memory_bytes), ""],
+      [record.error ? record.error.split("\n").filter(Boolean).pop() : "", "error"],
+    ];
+    for (const [text, className] of cells) {
+      const cell = row.appendChild(document.createElement("td"));
+      cell.textContent = text;
+      if (className) cell.className = className;
+      if (className === "error") cell.title = record.error || "";
+    }
+    return row;
+  });
+  body.replaceChildren(...rows);
+}
+
+async function pollTrials() {
+  try {
+    return await (await get("api/v1/trials")).json();
+  } catch (error) {
+    if (error instanceof TokenNeeded) throw error;
+    return null; // a service without trial endpoints
+  }
+}
+
 // --- polling -----------------------------------------------------------------------------------
 
 function setConnection(text, error = false) {
@@ -354,8 +434,11 @@ function setConnection(text, error = false) {
 async function poll() {
   try {
     const status = await (await get("api/v1/status")).json();
+    const trials = await pollTrials();
+    showTrials(trials);
     const names = Object.keys(status.models).sort();
-    document.getElementById("no-models").hidden = names.length > 0;
+    const trialsShown = !document.getElementById("trials").hidden;
+    document.getElementById("no-models").hidden = names.length > 0 || trialsShown;
     for (const name of names) {
       const entry = card(name);
       fillCard(entry, status.models[name]);

@@ -1,8 +1,11 @@
 """One level-2 configuration and the user's pinned values, in DeepSpeed's config key names.
 
 A configuration is what a trial runs: micro-batch per rank, gradient accumulation steps, ZeRO
-stage (0 = distune's DDP) and activation checkpointing. The user pins any of them with the same
-keys in ``--autotune_config``; a pinned value is never changed by the search.
+stage (0 = distune's DDP), activation checkpointing and bf16 mixed precision. The user pins any
+of them with the same keys in ``--autotune_config``; a pinned value is never changed by the
+search. Mixed precision changes the numerics, so it is tried only where the config allows it,
+as DeepSpeed's ``bf16`` section says it: ``bf16: {enabled: auto}`` lets distune try it,
+``enabled: true`` pins it on, ``false`` or no ``bf16`` section never uses it.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ GLOBAL_BATCH = "train_batch_size"
 ZERO = "zero_optimization"
 CHECKPOINTING = "activation_checkpointing"
 ARG_MAPPINGS = "arg_mappings"
-MIXED_PRECISION = "mixed_precision"
+BF16 = "bf16"
+#: ``bf16: {enabled: auto}``: distune may try bf16 mixed precision.
+AUTO = "auto"
 
 #: Every level-2 key a config file may hold.
 CONFIG_KEYS = frozenset(
-    {MICRO_BATCH, ACCUMULATION, GLOBAL_BATCH, ZERO, CHECKPOINTING, ARG_MAPPINGS}
+    {MICRO_BATCH, ACCUMULATION, GLOBAL_BATCH, ZERO, CHECKPOINTING, ARG_MAPPINGS, BF16}
 )
 #: The keys ``arg_mappings`` may map to a script's own flags.
 MAPPABLE_KEYS = frozenset({MICRO_BATCH, ACCUMULATION})
@@ -44,6 +49,8 @@ class TrialConfig:
     accumulation: int
     stage: int
     checkpointing: bool
+    #: bf16 mixed precision (autocast under ddp/zero1, FSDP's MixedPrecision under zero2/3).
+    bf16: bool = False
 
     def __post_init__(self) -> None:
         if self.micro_batch < 1 or self.accumulation < 1:
@@ -66,8 +73,10 @@ class TrialConfig:
     def describe(self) -> str:
         """A short human-readable form for progress lines and the summary."""
         checkpointing = ", checkpointing" if self.checkpointing else ""
+        bf16 = ", bf16" if self.bf16 else ""
         return (
-            f"{self.strategy}, micro-batch {self.micro_batch} x {self.accumulation}{checkpointing}"
+            f"{self.strategy}, micro-batch {self.micro_batch} x {self.accumulation}"
+            f"{checkpointing}{bf16}"
         )
 
     def to_config(self, world_size: int) -> dict[str, Any]:
@@ -78,18 +87,27 @@ class TrialConfig:
             GLOBAL_BATCH: self.global_batch(world_size),
             ZERO: {"stage": self.stage},
             CHECKPOINTING: self.checkpointing,
+            BF16: {"enabled": self.bf16},
         }
 
     @classmethod
     def from_config(cls, data: Mapping[str, Any]) -> TrialConfig:
-        """The inverse of :meth:`to_config` (every key required)."""
+        """The inverse of :meth:`to_config` (every key required but ``bf16``: off if absent)."""
         pins = TrialPins.from_config(data)
-        if None in (pins.micro_batch, pins.accumulation, pins.stage, pins.checkpointing):
+        if None in (pins.micro_batch, pins.accumulation, pins.stage, pins.checkpointing) or (
+            pins.bf16 is None
+        ):
             raise TrialConfigError(
                 f"a trial configuration needs {MICRO_BATCH}, {ACCUMULATION}, {ZERO}.stage and "
-                f"{CHECKPOINTING}, got {sorted(data)}"
+                f"{CHECKPOINTING} (and {BF16} on or off, not {AUTO}), got {sorted(data)}"
             )
-        return cls(pins.micro_batch, pins.accumulation, pins.stage, pins.checkpointing)  # type: ignore[arg-type]
+        return cls(
+            pins.micro_batch,  # type: ignore[arg-type]
+            pins.accumulation,  # type: ignore[arg-type]
+            pins.stage,  # type: ignore[arg-type]
+            pins.checkpointing,  # type: ignore[arg-type]
+            pins.bf16,
+        )
 
 
 def _positive_int(key: str, value: Any) -> int:
@@ -124,6 +142,20 @@ def _checkpointing(value: Any) -> bool:
     )
 
 
+def _bf16(value: Any) -> bool | None:
+    """DeepSpeed's ``bf16`` section: ``{enabled: true|false|auto}`` (or the bare value);
+    ``None`` for ``auto`` (distune may try it)."""
+    enabled = value.get("enabled") if isinstance(value, Mapping) else value
+    if isinstance(enabled, bool):
+        return enabled
+    if isinstance(enabled, str) and enabled.strip().lower() == AUTO:
+        return None
+    raise TrialConfigError(
+        f"{BF16} must be a mapping with enabled: true, false or {AUTO} (true pins bf16 mixed "
+        f"precision on, {AUTO} lets distune try it, false never), got {value!r}"
+    )
+
+
 def _arg_mappings(value: Any) -> dict[str, str]:
     if not isinstance(value, Mapping):
         raise TrialConfigError(f"{ARG_MAPPINGS} must be a mapping of keys to flags, got {value!r}")
@@ -152,6 +184,8 @@ class TrialPins:
     stage: int | None = None
     checkpointing: bool | None = None
     arg_mappings: tuple[tuple[str, str], ...] = ()
+    #: Mixed precision changes the numerics: off unless the config allows it (None: ``auto``).
+    bf16: bool | None = False
 
     @classmethod
     def from_config(cls, data: Mapping[str, Any]) -> TrialPins:
@@ -169,6 +203,7 @@ class TrialPins:
             stage=_stage(data[ZERO]) if ZERO in data else None,
             checkpointing=_checkpointing(data[CHECKPOINTING]) if CHECKPOINTING in data else None,
             arg_mappings=tuple(sorted(_arg_mappings(data.get(ARG_MAPPINGS, {})).items())),
+            bf16=_bf16(data[BF16]) if BF16 in data else False,
         )
 
     def flag_for(self, key: str) -> str | None:
@@ -183,5 +218,7 @@ class TrialPins:
             GLOBAL_BATCH: self.global_batch,
             ZERO: None if self.stage is None else {"stage": self.stage},
             CHECKPOINTING: self.checkpointing,
+            # Off is the default, not a choice to report; auto is no pin.
+            BF16: {"enabled": True} if self.bf16 else None,
         }
         return {key: value for key, value in values.items() if value is not None}

@@ -1,25 +1,28 @@
 """The level-2 policy: which trial to run next, and which configuration wins.
 
-Families are (ZeRO stage, checkpointing), cheapest first: checkpointing off before on, then
-DDP, ZeRO-1, -2, -3. In each family the search starts at the largest micro-batch the memory
-model predicts to fit (never one predicted not to), because a larger micro-batch means fewer
-accumulation steps and better-used kernels. An out-of-memory trial prunes its micro-batch and
-every larger one of the family (and of the same stage without checkpointing, which needs more
-memory still) and the search steps down. A configuration that ran near the memory cap may be
-slowed by it (allocator pressure, smaller kernels elsewhere), so from there the search steps
-down while the smaller micro-batch is faster; so does a search for the lowest latency, whose
-step time may fall with the micro-batch when the global batch is free to change.
-Checkpointing and sharding are tried only where they are predicted to fit a larger
-micro-batch than the cheaper ways already reached (a lower stage, or the same stage without
-checkpointing): recomputation and sharding's extra communication cost time, and pay only by
-making room (DeepSpeed's autotuner stops climbing stages for the same reason).
-A family whose trial crashed, hung or was invalid is given up. Finally the two best
-configurations are measured once more, and the best mean wins.
+Families are (ZeRO stage, checkpointing, bf16), cheapest first: checkpointing off before on,
+then DDP, ZeRO-1, -2, -3, each in full precision and then (only where the config allows mixed
+precision) in bf16, which is searched as a family of its own: it changes speed more than memory,
+so it is compared with the cheaper families of its own precision only, and predicted as its
+full-precision twin until a trial of its own has measured it. In each family the search starts
+at the largest micro-batch the memory model predicts to fit (never one predicted not to),
+because a larger micro-batch means fewer accumulation steps and better-used kernels. An out-of-
+memory trial prunes its micro-batch and every larger one of the family (and of the same stage
+without checkpointing, which needs more memory still) and the search steps down. A configuration
+that ran near the memory cap may be slowed by it (allocator pressure, smaller kernels
+elsewhere), so from there the search steps down while the smaller micro-batch is faster; so does
+a search for the lowest latency, whose step time may fall with the micro-batch when the global
+batch is free to change. Checkpointing and sharding are tried only where they are predicted to
+fit a larger micro-batch than the cheaper ways already reached (a lower stage, or the same stage
+without checkpointing): recomputation and sharding's extra communication cost time, and pay only
+by making room (DeepSpeed's autotuner stops climbing stages for the same reason). A family whose
+trial crashed, hung or was invalid is given up. Finally the two best configurations are measured
+once more, and the best mean wins.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from distune.tuning_service.trials.memory_model import MemoryModel
 from distune.tuning_service.trials.trial_config import TrialConfig
@@ -30,6 +33,8 @@ from distune.tuning_service.trials.trial_space import TrialSpace
 NEAR_FULL = 0.85
 #: How many of the best configurations are measured again before choosing.
 REMEASURED = 2
+#: A family of configurations: (ZeRO stage, activation checkpointing, bf16).
+Family = tuple[int, bool, bool]
 
 
 @dataclass(frozen=True)
@@ -52,17 +57,35 @@ class TrialSearch:
     metric: str = THROUGHPUT
     results: list[TrialResult] = field(default_factory=list)
     decisions: list[str] = field(default_factory=list)
-    _oom_at: dict[tuple[int, bool], int] = field(default_factory=dict)
-    _given_up: set[tuple[int, bool]] = field(default_factory=set)
+    _oom_at: dict[Family, int] = field(default_factory=dict)
+    _given_up: set[Family] = field(default_factory=set)
     _remeasuring: bool = False
+    #: bf16 trials' own memory model (same facts), and the families it has measured.
+    _bf16_memory: MemoryModel | None = None
+    _bf16_measured: set[tuple[int, bool]] = field(default_factory=set)
 
-    def families(self) -> list[tuple[int, bool]]:
-        """(stage, checkpointing) in the order they are searched."""
-        return [(s, c) for c in self.space.checkpointing() for s in self.space.stages()]
+    def __post_init__(self) -> None:
+        if self.memory is not None:
+            self._bf16_memory = MemoryModel(self.memory.facts)
+
+    def families(self) -> list[Family]:
+        """(stage, checkpointing, bf16) in the order they are searched."""
+        return [
+            (s, c, b)
+            for c in self.space.checkpointing()
+            for s in self.space.stages()
+            for b in self.space.precisions()
+        ]
 
     def predicted(self, config: TrialConfig) -> int | None:
         """Predicted peak bytes per rank (None without a memory model)."""
-        return None if self.memory is None else self.memory.predict(config)
+        if self.memory is None or self._bf16_memory is None:
+            return None
+        if not config.bf16:
+            return self.memory.predict(config)
+        if (config.stage, config.checkpointing) in self._bf16_measured:
+            return self._bf16_memory.predict(config)
+        return self.memory.predict(replace(config, bf16=False))
 
     def fits(self, config: TrialConfig) -> bool:
         """Whether ``config`` is predicted to fit under the cap (always, without a cap)."""
@@ -73,12 +96,13 @@ class TrialSearch:
         """Take a finished trial's result into account."""
         self.results.append(result)
         config = result.config
-        family = (config.stage, config.checkpointing)
+        family = (config.stage, config.checkpointing, config.bf16)
         if result.outcome == OK:
-            if self.memory is not None and result.peak_memory_bytes is not None:
-                self.memory.observe(config, result.peak_memory_bytes)
+            self._observe(config, result.peak_memory_bytes)
         elif result.outcome == OOM:
-            pruned = [family] + ([(config.stage, False)] if config.checkpointing else [])
+            pruned = [family] + (
+                [(config.stage, False, config.bf16)] if config.checkpointing else []
+            )
             for key in pruned:
                 self._oom_at[key] = min(
                     self._oom_at.get(key, config.micro_batch), config.micro_batch
@@ -90,6 +114,15 @@ class TrialSearch:
         else:
             self._given_up.add(family)
             self.decisions.append(f"{config.strategy}: given up after a {result.outcome} trial")
+
+    def _observe(self, config: TrialConfig, peak: int | None) -> None:
+        if self.memory is None or self._bf16_memory is None or peak is None:
+            return
+        if config.bf16:
+            self._bf16_memory.observe(config, peak)
+            self._bf16_measured.add((config.stage, config.checkpointing))
+        else:
+            self.memory.observe(config, peak)
 
     def scores(self, config: TrialConfig) -> list[float]:
         """Every ok measurement of ``config``, as values to maximise."""
@@ -126,24 +159,24 @@ class TrialSearch:
                 return Proposal(config, "remeasure", self.predicted(config))
         return None
 
-    def _tried(self, stage: int, checkpointing: bool) -> dict[int, TrialResult]:
+    def _tried(self, family: Family) -> dict[int, TrialResult]:
         return {
             r.config.micro_batch: r
             for r in self.results
-            if (r.config.stage, r.config.checkpointing) == (stage, checkpointing)
+            if (r.config.stage, r.config.checkpointing, r.config.bf16) == family
         }
 
-    def _next_in_family(self, stage: int, checkpointing: bool) -> Proposal | None:
-        family = (stage, checkpointing)
+    def _next_in_family(self, stage: int, checkpointing: bool, bf16: bool) -> Proposal | None:
+        family = (stage, checkpointing, bf16)
         if family in self._given_up:
             return None
-        tried = self._tried(stage, checkpointing)
+        tried = self._tried(family)
         oom_at = self._oom_at.get(family)
         fitting = [
             m
             for m in self.space.micro_batches()
             if (oom_at is None or m < oom_at)
-            and self.fits(self.space.config(stage, checkpointing, m))
+            and self.fits(self.space.config(stage, checkpointing, m, bf16))
         ]
         reached = self._reached_by_cheaper(family)
         if fitting and not tried and max(fitting) <= reached:
@@ -152,30 +185,30 @@ class TrialSearch:
         ok = [m for m, r in tried.items() if r.outcome == OK]
         above = [m for m in fitting if m > max(ok, default=0) and m not in tried]
         if above:
-            return self._propose(stage, checkpointing, max(above))
+            return self._propose(family, max(above))
         if not ok:
             return None
         return self._step_down(family, fitting, tried, max(ok))
 
-    def _reached_by_cheaper(self, family: tuple[int, bool]) -> int:
-        """The largest micro-batch that ran ok in a cheaper family (0: none). Checkpointing
-        costs recomputation and sharding costs communication: each pays only where it fits a
-        larger micro-batch than the cheaper ways already reached."""
-        stage, checkpointing = family
+    def _reached_by_cheaper(self, family: Family) -> int:
+        """The largest micro-batch that ran ok in a cheaper family of the same precision (0:
+        none). Checkpointing costs recomputation and sharding costs communication: each pays
+        only where it fits a larger micro-batch than the cheaper ways already reached."""
+        stage, checkpointing, bf16 = family
         cheaper = [
-            (s, c)
+            (s, c, bf16)
             for s in self.space.stages()
             for c in self.space.checkpointing()
-            if s <= stage and c <= checkpointing and (s, c) != family
+            if s <= stage and c <= checkpointing and (s, c, bf16) != family
         ]
         return max(
-            (m for key in cheaper for m, r in self._tried(*key).items() if r.outcome == OK),
+            (m for key in cheaper for m, r in self._tried(key).items() if r.outcome == OK),
             default=0,
         )
 
     def _step_down(
         self,
-        family: tuple[int, bool],
+        family: Family,
         fitting: list[int],
         tried: dict[int, TrialResult],
         largest_ok: int,
@@ -195,16 +228,17 @@ class TrialSearch:
                 return None
             below = max(lower)
             if below not in tried:
-                return self._propose(family[0], family[1], below)
+                return self._propose(family, below)
             if tried[below].outcome != OK:
                 return None
             chain.append(below)
 
-    def _skip(self, family: tuple[int, bool], fits: int, reached: int) -> None:
+    def _skip(self, family: Family, fits: int, reached: int) -> None:
         if family not in self._given_up:
             self._given_up.add(family)
-            config = self.space.config(family[0], family[1], fits)
+            config = self.space.config(*family[:2], fits, family[2])
             what = config.strategy + (" with checkpointing" if family[1] else "")
+            what += " in bf16" if family[2] else ""
             self.decisions.append(
                 f"{what}: skipped, it fits micro-batch {fits} at most and a cheaper strategy "
                 f"reached {reached}"
@@ -216,6 +250,7 @@ class TrialSearch:
             self.memory_cap is not None and peak is not None and peak >= NEAR_FULL * self.memory_cap
         )
 
-    def _propose(self, stage: int, checkpointing: bool, micro_batch: int) -> Proposal:
-        config = self.space.config(stage, checkpointing, micro_batch)
+    def _propose(self, family: Family, micro_batch: int) -> Proposal:
+        stage, checkpointing, bf16 = family
+        config = self.space.config(stage, checkpointing, micro_batch, bf16)
         return Proposal(config, "search", self.predicted(config))

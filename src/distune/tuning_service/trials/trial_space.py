@@ -78,6 +78,12 @@ class TrialSpace:
         pinned = self.pins.checkpointing
         return (pinned,) if pinned is not None else (False, True)
 
+    def precisions(self) -> tuple[bool, ...]:
+        """bf16 mixed precision off and on where the config allows it (``auto``), off first
+        (the numerics the script was written for); else only the pinned or default value."""
+        pinned = self.pins.bf16
+        return (pinned,) if pinned is not None else (False, True)
+
     def micro_batches(self) -> tuple[int, ...]:
         """Candidate micro-batches per rank, ascending."""
         pins = self.pins
@@ -103,15 +109,20 @@ class TrialSpace:
             return self.pins.accumulation or self.baseline.accumulation
         return self.global_batch // self.world_size // micro_batch
 
-    def config(self, stage: int, checkpointing: bool, micro_batch: int) -> TrialConfig:
+    def config(
+        self, stage: int, checkpointing: bool, micro_batch: int, bf16: bool = False
+    ) -> TrialConfig:
         """The configuration with these knobs (accumulation follows from the batch rule)."""
-        return TrialConfig(micro_batch, self.accumulation_for(micro_batch), stage, checkpointing)
+        return TrialConfig(
+            micro_batch, self.accumulation_for(micro_batch), stage, checkpointing, bf16
+        )
 
     def contains(self, config: TrialConfig) -> bool:
         """Whether ``config`` respects every pin and the batch rule."""
         return (
             config.stage in self.stages()
             and config.checkpointing in self.checkpointing()
+            and config.bf16 in self.precisions()
             and config.micro_batch in self.micro_batches()
             and config.accumulation == self.accumulation_for(config.micro_batch)
         )

@@ -1,0 +1,67 @@
+"""A level-2 results directory's ``trials.jsonl`` read back, for ``distune plot``.
+
+Each line is one trial's record as the launcher wrote it (:class:`TrialResult`'s JSON: its
+configuration in DeepSpeed's keys, outcome, throughput, measured and predicted peak memory);
+the same reader ``--autotune_resume`` uses checks each. A damaged line is named by its number.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from distune.cli import CommandError
+from distune.tuning_service.trials.trial_config import TrialConfigError
+from distune.tuning_service.trials.trial_result import TrialResult
+
+#: The file a level-2 results directory holds its trials in.
+TRIALS_FILE = "trials.jsonl"
+
+
+class TrialLogError(CommandError):
+    """The file is not a readable ``trials.jsonl``; the message names it and what is wrong."""
+
+
+def trials_path(path: str | Path) -> Path | None:
+    """The ``trials.jsonl`` that ``path`` names (the file, or a results directory holding
+    one), or None when ``path`` is something else (a CSV tuning log)."""
+    path = Path(path)
+    if path.is_dir():
+        inside = path / TRIALS_FILE
+        if not inside.is_file():
+            raise TrialLogError(
+                f"{path} is a directory without {TRIALS_FILE}: give a level-2 results directory "
+                "(--autotune_results_dir), its trials.jsonl, or a CSV tuning log"
+            )
+        return inside
+    return path if path.suffix == ".jsonl" else None
+
+
+def read_trials(path: Path) -> list[TrialResult]:
+    """Every trial of ``path`` (a ``trials.jsonl``), in file order."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as error:
+        raise TrialLogError(f"cannot read {path}: {error.strerror}") from None
+    except UnicodeDecodeError:
+        raise TrialLogError(f"{path} is not a text file") from None
+    trials = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise TypeError(f"a JSON object, got {type(record).__name__}")
+            trials.append(TrialResult.from_json(record))
+        except json.JSONDecodeError as error:
+            raise TrialLogError(f"{path}, line {number}: not JSON ({error.msg})") from None
+        except KeyError as error:
+            raise TrialLogError(
+                f"{path}, line {number}: not a trial record (no {error.args[0]!r})"
+            ) from None
+        except (TypeError, ValueError, TrialConfigError) as error:
+            raise TrialLogError(f"{path}, line {number}: not a trial record: {error}") from None
+    if not trials:
+        raise TrialLogError(f"{path} holds no trial")
+    return trials

@@ -1,0 +1,132 @@
+"""Level 2 on a node other than node 0: run each trial node 0 publishes, until it finishes.
+
+The launcher of node ``i > 0`` polls the service (on node 0) for the current trial, runs its
+own ranks of each new one (:class:`~distune.launcher.trial_node.NodeTrials`) and reports them;
+when node 0 posts the end of the search, it returns the chosen configuration, which this node
+then trains with in ``run`` mode, exactly as node 0 does. Its trial logs are in a directory of
+its own: ``node-<i>/`` under ``--autotune_results_dir`` or a new private one in /tmp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing import SignalException
+
+from distune.errors import ServiceError
+from distune.launcher.level2 import DEFAULT_TRIAL_TIMEOUT, Chosen
+from distune.launcher.options import AutotuneOptions
+from distune.launcher.trial_args import rewrite_script_args
+from distune.launcher.trial_client import TrialClient, TrialRefusedError
+from distune.launcher.trial_node import NodeTrials, TrialsStoppedError, settings_from_knobs
+from distune.launcher.trial_runner import TrialRunner
+from distune.tuning_service.trial_board import FINISHED, RUNNING, STOPPED
+from distune.tuning_service.trial_messages import TrialKnobs
+from distune.tuning_service.trials.trial_config import TrialPins
+
+#: Seconds a follower waits for node 0's service to answer at all (node 0 may start later).
+START_WAIT = 300.0
+_POLL = 0.3
+
+
+def _trials_dir(options: AutotuneOptions, node_rank: int) -> Path:
+    if options.autotune_results_dir is None:
+        return Path(tempfile.mkdtemp(prefix=f"distune_level2_node{node_rank}_"))
+    path = options.autotune_results_dir / f"node-{node_rank}"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
+class TrialFollower:
+    """Node ``i > 0``'s side of a level-2 tuning."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        options: AutotuneOptions,
+        pins: TrialPins,
+        client: TrialClient,
+    ) -> None:
+        self.args = args
+        self.options = options
+        self.pins = pins
+        self.client = client
+        timeout = options.autotune_trial_timeout or DEFAULT_TRIAL_TIMEOUT
+        self.trials_dir = _trials_dir(options, int(args.node_rank))
+        runner = TrialRunner(args, timeout, self.trials_dir)
+        self.node = NodeTrials(
+            args, pins, options.autotune_device_memory, runner, client, self._say
+        )
+        # After the first answer, the service may be silent this long between trials: node 0
+        # waits up to a trial time-out and more for a late node before it records a trial.
+        self.lost_after = 2 * timeout + 60.0
+
+    def _say(self, text: str) -> None:
+        if not self.options.autotune_quiet:
+            print(f"distune: node {self.node.node_rank}: {text}", flush=True)
+
+    def follow(self) -> tuple[str, Chosen | None]:
+        """Run trials until node 0 finishes: its mode and the chosen configuration (None when
+        no trial ended ok). Raises TrialsStoppedError when a node stopped the trials or the
+        service is gone."""
+        self._say(f"following node 0's trials at {self.client.url}; logs in {self.trials_dir}")
+        try:
+            return self._follow()
+        except SignalException as error:
+            with contextlib.suppress(ServiceError, TrialRefusedError):
+                self.client.stop(self.node.node_rank, error.sigval.name)
+            raise
+
+    def _follow(self) -> tuple[str, Chosen | None]:
+        done: set[int] = set()
+        started = last_answer = time.monotonic()
+        answered = False
+        while True:
+            try:
+                current = self.client.current(self.node.node_rank)
+            except ServiceError as error:
+                waited = time.monotonic() - (last_answer if answered else started)
+                if waited > (self.lost_after if answered else START_WAIT):
+                    raise TrialsStoppedError(f"{error} for {waited:.0f} s") from None
+                time.sleep(1.0)
+                continue
+            answered, last_answer = True, time.monotonic()
+            if current["state"] == STOPPED:
+                stop = current["stop"]
+                raise TrialsStoppedError(
+                    f"node {stop['node_rank']} stopped the trials ({stop['reason']})"
+                )
+            if current["state"] == FINISHED:
+                return self._finished(current["finish"])
+            trial = current["trial"]
+            runnable = (
+                trial is not None
+                and trial["state"] == RUNNING
+                and trial["spec"] is not None
+                and trial["trial"] not in done
+                and str(self.node.node_rank) not in trial["nodes"]
+            )
+            if runnable:
+                done.add(trial["trial"])
+                self._say(f"trial {trial['trial']}: running this node's ranks")
+                run = self.node.run(trial)
+                self._say(f"trial {trial['trial']}: this node's ranks ended {run.outcome}")
+            else:
+                time.sleep(_POLL)
+
+    def _finished(self, finish: dict[str, Any]) -> tuple[str, Chosen | None]:
+        mode = str(finish["mode"])
+        if finish["chosen"] is None:
+            return mode, None
+        knobs = TrialKnobs.from_json(finish["knobs"])
+        script_args = rewrite_script_args(
+            list(self.args.training_script_args), self.pins, knobs.micro_batch, knobs.accumulation
+        )
+        settings = settings_from_knobs(knobs, self.options.autotune_device_memory)
+        self._say(f"node 0 chose trial {finish['chosen']}")
+        return mode, Chosen(knobs.stage or 0, script_args, settings)

@@ -1,0 +1,115 @@
+"""A node's part of a level-2 trial: when it stops its ranks early, and how a node other than
+node 0 (which has no rank 0 result) tells that its ranks ended well."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from waitress.server import create_server
+
+from distune.launcher.level2 import Level2
+from distune.launcher.options import parse
+from distune.launcher.trial_client import TrialClient
+from distune.launcher.trial_node import settings_from_knobs, stop_reason
+from distune.launcher.trial_runner import classify
+from distune.tuning_service.app import create_app
+from distune.tuning_service.service import TuningService
+from distune.tuning_service.trial_messages import TrialKnobs
+from distune.tuning_service.trials.trial_config import TrialPins
+
+TOKEN = "node-token"
+
+
+@pytest.fixture
+def service_url():
+    """A real service app (a fresh trial board) on a free port, served in a thread."""
+    server = create_server(create_app(TuningService(), token=TOKEN), host="127.0.0.1", port=0)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.effective_port}"
+    server.close()
+    thread.join(timeout=10)
+
+
+def current(state="tuning", trial=3, trial_state="running", nodes=None, stop=None):
+    return {
+        "state": state,
+        "trial": {"trial": trial, "state": trial_state, "nodes": nodes or {}},
+        "stop": stop,
+    }
+
+
+@pytest.mark.parametrize(
+    ("answer", "reason"),
+    [
+        (current(), None),
+        # This node's own report does not stop it; a peer's ok report neither.
+        (current(nodes={"1": {"outcome": "crash", "stopped": False}}), None),
+        (current(nodes={"0": {"outcome": "ok", "stopped": False}}), None),
+        # A peer that failed on its own stops this node; one stopped by another does not.
+        (current(nodes={"0": {"outcome": "oom", "stopped": False}}), "node 0 ended oom"),
+        (current(nodes={"2": {"outcome": "crash", "stopped": True}}), None),
+        (current(trial_state="recorded"), "node 0 closed trial 3"),
+        (current(trial=4), "node 0 closed trial 3"),
+        (
+            current(state="stopped", stop={"node_rank": 2, "reason": "SIGINT"}),
+            "node 2 stopped the trials (SIGINT)",
+        ),
+    ],
+)
+def test_a_node_stops_its_ranks_when_the_service_says_the_trial_cannot_finish(answer, reason):
+    assert stop_reason(answer, 3, node_rank=1) == reason
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "reports", "expected"),
+    [
+        (0, [{"outcome": "ok"}, {"outcome": "ok"}], "ok"),
+        (0, [{"outcome": "ok"}], "ok"),
+        (0, [], "invalid"),  # no rank reported: the script never measured
+        (1, [{"outcome": "ok"}, {"outcome": "crash", "error": "E"}], "crash"),
+        (-9, [{"outcome": "ok"}], "oom"),  # a rank killed as the kernel's OOM killer does
+    ],
+)
+def test_a_node_without_rank_0_is_ok_when_each_of_its_ranks_is(exit_code, reports, expected):
+    outcome, _ = classify(exit_code, False, reports, None, "", expects_result=False)
+    assert outcome == expected
+    # Node 0 needs rank 0's result as well.
+    if expected == "ok":
+        assert classify(exit_code, False, reports, None, "")[0] == "invalid"
+
+
+def test_published_knobs_become_the_ranks_settings_with_this_nodes_cap():
+    knobs = TrialKnobs.from_json({"micro_batch": 4, "stage": 3, "checkpointing": True})
+    settings = settings_from_knobs(knobs, 2**26)
+    assert (settings.micro_batch, settings.accumulation, settings.stage) == (4, None, 3)
+    assert settings.checkpointing is True and settings.device_memory == 2**26
+
+
+@pytest.mark.parametrize(
+    ("nnodes", "reports", "outcome", "error"),
+    [
+        # Node 1 never reports: the trial is a timeout, and the search goes on.
+        (2, {0: "ok"}, "timeout", "node 1: no report 0.5 s after node 0's ranks ended"),
+        # A timeout explains more than a crash; an oom more than a missing node.
+        (3, {0: "ok", 1: "crash"}, "timeout", "node 2: no report"),
+        (3, {0: "ok", 2: "oom"}, "oom", "node 2: failed as oom"),
+    ],
+)
+def test_node_0_gives_up_on_a_node_that_never_reports(
+    service_url, tmp_path, nnodes, reports, outcome, error
+):
+    client = TrialClient(service_url, TOKEN)
+    argv = ["--autotune_level", "2", "--autotune_results_dir", str(tmp_path / "r"), "t.py"]
+    args, options = parse(argv)
+    level2 = Level2(args, options, TrialPins(), argv, client)
+    level2.late_after = 0.5
+    client.publish({"trial": 0, "nnodes": nnodes, "purpose": "search", "knobs": {},
+                    "master_port": 29600})  # fmt: skip
+    for node_rank, reported in reports.items():
+        report = {"outcome": reported, "duration": 1.0, "error": f"failed as {reported}"}
+        client.report(0, node_rank, report)
+    combined = level2._combined(0)
+    assert combined["outcome"] == outcome
+    assert combined["error"].startswith(error)

@@ -1,0 +1,129 @@
+"""A level-2 trial of a script that never calls ``distune.prepare``: measured through
+``distune.DistributedDataParallel`` (steps end with each synchronised backward), in a gloo world
+of one rank. A trial's rank ends its process, so each trial runs in a child process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import distune
+from distune.trial_settings import TRIAL_DIR
+from distune.worker_runtime.trial_measurement import preparing
+
+# A script as a user writes it: DDP only, its own micro-batch and accumulation under no_sync,
+# the data drawn inside the loop (so it is part of the step's time).
+SCRIPT = textwrap.dedent(
+    """
+    import contextlib, sys
+    import torch, torch.distributed as dist
+    from torch import nn
+    import distune
+
+    micro, accumulation = int(sys.argv[1]), int(sys.argv[2])
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = distune.DistributedDataParallel(
+        nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 32))
+    )
+    optimizer = torch.optim.Adam(model.parameters())
+    for step in range(100):
+        optimizer.zero_grad()
+        for m in range(accumulation):
+            last = m == accumulation - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                x = torch.randn(micro, 32)
+                model(x).pow(2).mean().backward()
+            with torch.no_grad():
+                model(x)  # an evaluation forward is no micro-step
+        optimizer.step()
+    print("the trial should have ended the process", flush=True)
+    sys.exit(3)
+    """
+)
+
+PARAMETER_BYTES = (32 * 256 + 256 + 256 * 32 + 32) * 4
+
+
+def trial(tmp_path: Path, micro: int, accumulation: int, **env: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    trial_dir = tmp_path / "trial"
+    trial_dir.mkdir()
+    environ = {
+        k: v for k, v in os.environ.items() if not k.startswith(("DISTUNE_", "TORCHELASTIC"))
+    }
+    environ.update(
+        {
+            TRIAL_DIR: str(trial_dir),
+            "DISTUNE_TRIAL_WARMUP_STEPS": "1",
+            "DISTUNE_TRIAL_STEPS": "3",
+            **env,
+        }
+    )
+    return subprocess.run(
+        [sys.executable, str(script), str(micro), str(accumulation)],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_a_wrapper_only_script_is_measured_step_by_step_with_its_batch_learned(tmp_path):
+    done = trial(tmp_path, 5, 3, DISTUNE_DEVICE_MEMORY=str(64 * 2**20))
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((tmp_path / "trial" / "result.json").read_text())
+    assert result["api"] == "wrapper"
+    assert result["config"] == {
+        "micro_batch": 5,
+        "accumulation": 3,
+        "stage": 0,
+        "checkpointing": False,
+    }
+    assert result["parameter_bytes"] == result["gradient_bytes"] == PARAMETER_BYTES
+    assert len(result["step_seconds_all"]) == 3
+    assert result["throughput"] == pytest.approx(15 / result["step_seconds"])
+    # Parameters, gradients (the buckets, counted once learned) and Adam's two moments.
+    assert result["peak_memory_bytes"] >= 4 * PARAMETER_BYTES
+    assert result["activation_bytes_per_sample"] > 0
+    assert json.loads((tmp_path / "trial" / "progress").read_text()) == {"steps": 4}
+    assert json.loads((tmp_path / "trial" / "rank0.json").read_text())["outcome"] == "ok"
+
+
+def test_a_script_that_ignores_the_trials_micro_batch_crashes_naming_arg_mappings(tmp_path):
+    done = trial(tmp_path, 5, 2, DISTUNE_MICRO_BATCH="4", DISTUNE_ACCUMULATION="2")
+    assert done.returncode != 0
+    report = json.loads((tmp_path / "trial" / "rank0.json").read_text())
+    assert report["outcome"] == "crash"
+    assert "train_micro_batch_size_per_gpu=4" in report["error"]
+    assert "arg_mappings" in report["error"]
+    assert not (tmp_path / "trial" / "result.json").exists()
+
+
+def test_the_cap_applies_through_the_wrapper_as_an_out_of_memory(tmp_path):
+    done = trial(tmp_path, 5, 1, DISTUNE_DEVICE_MEMORY=str(3 * PARAMETER_BYTES))
+    assert done.returncode != 0
+    assert json.loads((tmp_path / "trial" / "rank0.json").read_text())["outcome"] == "oom"
+
+
+def test_a_wrapper_made_by_prepare_is_not_measured_twice(tmp_path, monkeypatch):
+    monkeypatch.setenv(TRIAL_DIR, str(tmp_path))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with preparing():
+            model = distune.DistributedDataParallel(nn.Linear(4, 4))
+        model(torch.randn(2, 4)).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    assert list(tmp_path.iterdir()) == []  # no pid, progress or result file
