@@ -1,38 +1,174 @@
 """Level 2's search against a DeepSpeed-style policy and the seed's hand-tuning policy.
 
-    .venv/bin/python -m benchmarks.level2_policies measure OUT_DIR -- DISTUNE_RUN_ARGS...
+    .venv/bin/python -m benchmarks.level2_policies measure [--passes 2] [--level2] \\
+        [--testbed 1gbit --nodes 2 --nproc-per-node 1] OUT_DIR -- DISTUNE_RUN_ARGS...
+    .venv/bin/python -m benchmarks.level2_policies level2 [--testbed ...] OUT_DIR/grid.json \\
+        -- DISTUNE_RUN_ARGS...
     .venv/bin/python -m benchmarks.level2_policies replay OUT_DIR/grid.json
+    .venv/bin/python -m benchmarks.level2_policies memory OUT_DIR/grid.json
 
-``measure`` runs the exhaustive grid of the job's level-2 space as real trials (an hour on a
-small machine for the GPT example: about 40 trials); ``replay`` runs every policy against it
-and prints the comparison as a Markdown table.
+``measure`` runs the exhaustive grid of the job's level-2 space as real trials, in passes, and
+with ``--level2`` a real ``distune-run --autotune_level 2 --autotune_mode tune`` of the same job
+between passes (after the only pass if there is one), so all of it is measured side by side;
+with ``--testbed RATE`` every trial and the level-2 run are multi-node jobs on the shaped
+testbed (needs root). ``level2`` adds a later real level-2 run to a measured grid. ``replay``
+runs every policy against the grid and prints the comparison as a Markdown table; ``memory``
+prints the memory model's prediction error on the grid's configurations.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-from benchmarks.level2_policies.grid import measure_grid
+from torch.distributed.run import determine_local_world_size
+
+from benchmarks.level2_policies.grid import GridMeasurement, Trials, load_average, measure_grid
+from benchmarks.level2_policies.level2_run import level2_argv, run_level2_local, summarize
+from benchmarks.level2_policies.memory_error import error_summary
 from benchmarks.level2_policies.policies import compare_table
+from benchmarks.level2_policies.trial_hosts import LocalTrials, TestbedTrials, testbed_environment
+from benchmarks.testbed.distune_job import run_distune
+from benchmarks.testbed.network import Testbed
+from benchmarks.testbed.rate import rate_argument
+from distune.launcher.options import parse
+
+_LEVEL2_TIMEOUT = 3 * 3600.0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    hosts = argparse.ArgumentParser(add_help=False)
+    hosts.add_argument(
+        "--testbed",
+        type=rate_argument,
+        default=None,
+        metavar="RATE",
+        help="run on the shaped testbed with links of this rate (1gbit)",
+    )
+    hosts.add_argument("--nodes", type=int, default=2, help="testbed nodes (default 2)")
+    hosts.add_argument(
+        "--nproc-per-node", type=int, default=1, help="testbed ranks per node (default 1)"
+    )
+    hosts.add_argument(
+        "--trial-timeout",
+        type=float,
+        default=240.0,
+        help="seconds a grid trial may take (default 240)",
+    )
+    measure = commands.add_parser("measure", parents=[hosts], help="measure the grid")
+    measure.add_argument("out", type=Path)
+    measure.add_argument("--passes", type=int, default=1, help="grid passes (default 1)")
+    measure.add_argument(
+        "--level2", action="store_true", help="run level 2 itself between the passes"
+    )
+    level2 = commands.add_parser("level2", parents=[hosts], help="add a level-2 run to a grid")
+    level2.add_argument("grid", type=Path)
+    for command in (measure, level2):  # options go before the positional: the rest is the job's
+        command.add_argument("launcher_argv", nargs=argparse.REMAINDER)
+    replay = commands.add_parser("replay", help="replay the policies against a grid")
+    replay.add_argument("grid", type=Path)
+    memory = commands.add_parser("memory", help="the memory model's error on a grid")
+    memory.add_argument("grid", type=Path)
+    return parser  # fmt: skip
+
+
+class _Host:
+    """This node, or a testbed that is up, for the grid's trials and the level-2 runs."""
+
+    def __init__(self, args: argparse.Namespace, argv: list[str], out: Path) -> None:
+        self.args = args
+        self.argv = argv
+        self.out = out
+        self.bed: Testbed | None = None
+
+    @contextlib.contextmanager
+    def up(self) -> Iterator[_Host]:
+        if self.args.testbed is None:
+            yield self
+            return
+        with Testbed(self.args.nodes, self.args.testbed) as bed:
+            self.bed = bed
+            print(bed.describe(), flush=True)
+            yield self
+
+    def world_size(self) -> int:
+        if self.bed is None:
+            launcher, _ = parse(self.argv)
+            return determine_local_world_size(launcher.nproc_per_node)
+        return self.args.nodes * self.args.nproc_per_node
+
+    def trials(self) -> Trials:
+        root = self.out / "trials"
+        if self.bed is None:
+            return LocalTrials(self.argv, self.args.trial_timeout, root)
+        return TestbedTrials(
+            self.bed, self.argv, self.args.nproc_per_node, self.args.trial_timeout, root
+        )
+
+    def level2(self, name: str) -> dict[str, Any]:
+        """One real level-2 run of the job, with the load average before and after."""
+        results = self.out / name
+        before = load_average()
+        print(f"level 2 run into {results}", flush=True)
+        if self.bed is None:
+            summary = run_level2_local(self.argv, results, self.out / f"{name}.log")
+        else:
+            start = time.monotonic()
+            nodes = run_distune(
+                self.bed,
+                level2_argv(self.argv, results),
+                nproc_per_node=self.args.nproc_per_node,
+                output_dir=self.out / f"{name}-nodes",
+                timeout=_LEVEL2_TIMEOUT,
+                env=testbed_environment(),
+            )
+            summary = summarize(results, time.monotonic() - start, [n.returncode for n in nodes])
+        print(f"level 2: {summary['trials']} trials, chose {summary['chosen']}", flush=True)
+        return {**summary, "load_average": [before, load_average()]}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    measure = commands.add_parser("measure", help="measure the grid as real trials")
-    measure.add_argument("out", type=Path)
-    measure.add_argument("launcher_argv", nargs=argparse.REMAINDER)
-    replay = commands.add_parser("replay", help="replay the policies against a grid")
-    replay.add_argument("grid", type=Path)
-    args = parser.parse_args()
+    args = _parser().parse_args()
+    if args.command in ("replay", "memory"):
+        table = json.loads(args.grid.read_text(encoding="utf-8"))
+        print(compare_table(table) if args.command == "replay" else error_summary(table))
+        return
+    argv = [a for a in args.launcher_argv if a != "--"]
     if args.command == "measure":
         args.out.mkdir(parents=True, exist_ok=True)
-        argv = [a for a in args.launcher_argv if a != "--"]
-        measure_grid(argv, args.out)
-    else:
-        print(compare_table(json.loads(args.grid.read_text(encoding="utf-8"))))
+        with _Host(args, argv, args.out).up() as host:
+            grid = GridMeasurement(argv, host.trials(), host.world_size())
+            runs: list[dict[str, Any]] = []
+
+            def between(index: int) -> None:
+                if args.level2:
+                    runs.append(host.level2(f"level2-{index + 1}"))
+
+            def save(table: dict[str, Any]) -> None:
+                table["level2_runs"] = runs
+                table["host"] = f"testbed {args.testbed}" if args.testbed else "one node"
+                (args.out / "grid.json").write_text(json.dumps(table, indent=1), "utf-8")
+
+            table = measure_grid(grid, args.passes, between, save)
+            if args.level2 and args.passes == 1:
+                runs.append(host.level2("level2-1"))
+        save(table)
+        print(compare_table(table))
+        return
+    table = json.loads(args.grid.read_text(encoding="utf-8"))
+    out = args.grid.parent
+    with _Host(args, argv, out).up() as host:
+        run = host.level2(f"level2-{len(table.get('level2_runs', [])) + 1}")
+    table.setdefault("level2_runs", []).append({**run, "later": True})
+    args.grid.write_text(json.dumps(table, indent=1), encoding="utf-8")
+    print(compare_table(table))
 
 
 if __name__ == "__main__":

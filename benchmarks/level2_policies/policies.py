@@ -100,7 +100,7 @@ def distune_policy(grid: Grid, max_trials: int = 20) -> Choice:
     search.record(ledger.results[0])
     while (proposal := search.next_trial()) is not None:
         search.record(ledger.run(proposal.config))
-    return Choice("distune", search.best(), len(ledger.results), ledger.seconds())
+    return Choice("distune (replayed)", search.best(), len(ledger.results), ledger.seconds())
 
 
 def deepspeed_policy(grid: Grid) -> Choice:
@@ -154,8 +154,16 @@ def hand_tuning_policy(grid: Grid) -> Choice:
     )
 
 
+def _spread(row: dict[str, Any]) -> str:
+    values = row.get("throughputs") or []
+    if len(values) < 2:
+        return ""
+    return f" ({min(values):.1f}-{max(values):.1f})"
+
+
 def compare_table(table: dict[str, Any]) -> str:
-    """The comparison as Markdown: each policy's trials, time, choice and its grid throughput."""
+    """The comparison as Markdown: each policy's trials, time, choice and its grid throughput
+    (with the range over the grid's passes), the grid first and real level-2 runs last."""
     grid = Grid(table)
     best = grid.best()
     top = grid.throughput(best)
@@ -163,14 +171,24 @@ def compare_table(table: dict[str, Any]) -> str:
     lines = [
         "| policy | trials | seconds | chosen | samples/s (grid) | of grid best |",
         "|---|---|---|---|---|---|",
-        f"| exhaustive grid | {len(table['rows'])} | {grid_seconds:.0f} | {best.describe()} | "
-        f"{top:.1f} | 1.00 |",
+        f"| exhaustive grid (one pass) | {len(table['rows'])} | {grid_seconds:.0f} | "
+        f"{best.describe()} | {top:.1f}{_spread(grid.rows[best])} | 1.00 |",
     ]
-    for choice in (distune_policy(grid), deepspeed_policy(grid), hand_tuning_policy(grid)):
+    choices = [distune_policy(grid), deepspeed_policy(grid), hand_tuning_policy(grid)]
+    for index, run in enumerate(table.get("level2_runs", []), 1):
+        chosen = TrialConfig(*run["chosen"]) if run.get("chosen") else None
+        label = "distune-run --autotune_level 2" + (f" (run {index})" if index > 1 else "")
+        choices.append(Choice(label, chosen, int(run["trials"]), float(run["seconds"])))
+    for choice in choices:
         value = grid.throughput(choice.chosen)
-        chosen = choice.chosen.describe() if choice.chosen else "none"
+        chosen_text = "none"
+        if choice.chosen is not None:
+            chosen_text = choice.chosen.describe()
+            value_text = f"{value:.1f}{_spread(grid.rows[choice.chosen])}"
+        else:
+            value_text = "-"
         lines.append(
-            f"| {choice.policy} | {choice.trials} | {choice.seconds:.0f} | {chosen} | "
-            f"{value:.1f} | {value / top:.2f} |"
+            f"| {choice.policy} | {choice.trials} | {choice.seconds:.0f} | {chosen_text} | "
+            f"{value_text} | {value / top:.2f} |"
         )
     return "\n".join(lines)

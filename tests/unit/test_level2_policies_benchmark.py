@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+from benchmarks.level2_policies.grid import merge_passes
+from benchmarks.level2_policies.level2_run import level2_argv
 from benchmarks.level2_policies.policies import (
     Grid,
     compare_table,
@@ -75,4 +80,48 @@ def test_policies_replay_the_grid_and_distune_reaches_its_best_in_fewer_trials()
     assert ours.trials < len(grid.rows)
     assert {hand.chosen.stage} == {0} and hand.chosen.micro_batch < 16  # DDP cannot reach 16
     assert deepspeed.trials > 1
-    assert "| distune |" in compare_table(table())
+    assert "| distune (replayed) |" in compare_table(table())
+
+
+def test_a_real_level2_run_is_reported_with_its_choice_against_the_grid() -> None:
+    measured = table()
+    measured["level2_runs"] = [
+        {"trials": 5, "seconds": 61.0, "chosen": [16, 1, 3, True]},
+        {"trials": 4, "seconds": 52.0, "chosen": None},
+    ]
+    lines = compare_table(measured).splitlines()
+    grid = Grid(measured)
+    ratio = grid.throughput(TrialConfig(16, 1, 3, True)) / grid.throughput(grid.best())
+    assert lines[-2].startswith("| distune-run --autotune_level 2 | 5 | 61 | zero3, micro-batch")
+    assert lines[-2].endswith(f"| {ratio:.2f} |")
+    assert lines[-1] == "| distune-run --autotune_level 2 (run 2) | 4 | 52 | none | - | 0.00 |"
+
+
+def test_passes_merge_into_one_row_ok_if_any_ran_ok() -> None:
+    passes = [
+        {"config": [4, 4, 0, False], "outcome": "ok", "throughput": 30.0, "step_seconds": 1.0,
+         "peak_memory_bytes": 7, "duration": 10.0},
+        {"config": [4, 4, 0, False], "outcome": "timeout", "throughput": None,
+         "step_seconds": None, "peak_memory_bytes": None, "duration": 40.0},
+        {"config": [4, 4, 0, False], "outcome": "ok", "throughput": 50.0, "step_seconds": 0.5,
+         "peak_memory_bytes": 9, "duration": 10.0},
+    ]  # fmt: skip
+    row = merge_passes(passes)
+    assert (row["outcome"], row["throughput"], row["throughputs"]) == ("ok", 40.0, [30.0, 50.0])
+    assert (row["peak_memory_bytes"], row["duration"], row["step_seconds"]) == (9, 20.0, 0.75)
+    failed = merge_passes([passes[1]])
+    assert (failed["outcome"], failed["throughput"]) == ("timeout", None)
+
+
+def test_the_level2_run_gets_tune_mode_and_its_results_dir_before_the_script() -> None:
+    argv = ["--nproc_per_node", "2", "--autotune_level", "2", "train.py", "--autotune_mode"]
+    assert level2_argv(argv, Path("/r"))[:4] == [
+        "--autotune_mode",
+        "tune",
+        "--autotune_results_dir",
+        "/r",
+    ]
+    with pytest.raises(SystemExit, match="--autotune_results_dir itself"):
+        level2_argv(["--autotune_results_dir=/x", "--autotune_level", "2", "t.py"], Path("/r"))
+    with pytest.raises(SystemExit, match="--autotune_level 2"):
+        level2_argv(["t.py"], Path("/r"))

@@ -244,12 +244,12 @@ class _Sample(_Windows):
     group: Group
     phase: Phase
     ended_early: bool = False
-    #: The sample re-measures the best group or the default in a close call, and runs
-    #: ``close_call_time`` times as long.
-    close_call: bool = False
     #: The window right after the switch to this sample (or the registration): not scored,
     #: but it tells what a switch costs once the group's score is known.
     switch: Window | None = None
+    #: The sample re-measures the best group or the default in a close call, and runs
+    #: ``close_call_time`` times as long.
+    close_call: bool = False
 
 
 #: A window's noise (standard deviation of its log rate) assumed before any group has two.

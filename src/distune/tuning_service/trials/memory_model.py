@@ -15,6 +15,16 @@ step's peak over what was live when its forward began, per sample: an upper boun
 also holds the step's gradient and optimizer temporaries). What the formula misses (gradient
 buckets, allocator slack) is the profile's residual, added to every prediction.
 
+Without gradient accumulation (one micro-batch a step) gradients and the forward's activations
+never all live at once: the optimizer's ``zero_grad`` frees the gradients before the forward,
+and backward frees activations as it makes gradients, so about half of ``G`` overlaps the
+activations under ddp, zero1 and zero2 (which keeps whole parameters through backward);
+zero3 keeps unsharded gradients between micro-steps only while accumulating (FSDP's
+``no_sync``) and reshards each block after its backward, so none of ``G`` remains. The model takes
+that share of ``G`` off a configuration without accumulation (and adds it back to the
+residual when the profile ran without). Measured on two grids (``docs/level2.md``): without it
+the model overestimated every configuration without accumulation, by up to 26 %.
+
 Each measured trial then corrects its own (stage, checkpointing) family: one measurement fixes
 the family's offset, two or more fit its line in the micro-batch. Checkpointing's activation
 bytes come from the profile too: hooks on the repeated blocks measure what each kept and the
@@ -62,14 +72,26 @@ class ModelFacts:
             return p + (g + o) / w
         return (p + g + o) / w + 2 * self.largest_block_bytes  # a block's parameters and grads
 
+    def unaccumulated_bytes(self, config: TrialConfig) -> float:
+        """Gradient bytes that ``config`` does not hold at its peak for lack of accumulation
+        (0 with accumulation): half of them under ddp, zero1 and zero2, all under zero3."""
+        if config.accumulation > 1:
+            return 0.0
+        return self.gradient_bytes * (1.0 if config.stage == 3 else 0.5)
+
+    def formula_bytes(self, config: TrialConfig, activation_bytes_per_sample: float) -> float:
+        """The model's peak of ``config`` without the residual, for a given activation slope."""
+        return (
+            self.state_bytes(config.stage)
+            + activation_bytes_per_sample * config.micro_batch
+            - self.unaccumulated_bytes(config)
+        )
+
     @property
     def residual_bytes(self) -> float:
         """What the formula misses at the profile configuration."""
-        profile = self.profile
-        return (
-            self.profile_peak_bytes
-            - self.state_bytes(profile.stage)
-            - self.activation_bytes_per_sample * profile.micro_batch
+        return self.profile_peak_bytes - self.formula_bytes(
+            self.profile, self.activation_bytes_per_sample
         )
 
 
@@ -78,26 +100,26 @@ class MemoryModel:
     """Predictions from :class:`ModelFacts`, corrected by every measured trial."""
 
     facts: ModelFacts
-    _measured: dict[tuple[int, bool], dict[int, int]] = field(default_factory=dict)
+    _measured: dict[tuple[int, bool], dict[TrialConfig, int]] = field(default_factory=dict)
 
     def observe(self, config: TrialConfig, peak_bytes: int) -> None:
         """Record a trial's measured peak (a trial that finished its steps)."""
         family = self._measured.setdefault((config.stage, config.checkpointing), {})
-        family[config.micro_batch] = max(peak_bytes, family.get(config.micro_batch, 0))
+        family[config] = max(peak_bytes, family.get(config, 0))
 
-    def _base(self, stage: int) -> float:
-        """Predicted bytes of ``stage`` at a micro-batch of zero (no activations)."""
-        return self.facts.state_bytes(stage) + self.facts.residual_bytes
+    def _base(self, config: TrialConfig) -> float:
+        """Predicted bytes of ``config`` less its activations."""
+        return self.facts.formula_bytes(config, 0.0) + self.facts.residual_bytes
 
     def _slope(self, checkpointing: bool) -> float:
         """Bytes per sample of micro-batch: the profile's, or a checkpointed family's fit."""
         if not checkpointing:
             return float(self.facts.activation_bytes_per_sample)
         slopes = [
-            (peak - self._base(stage)) / m
-            for (stage, on), family in self._measured.items()
+            (peak - self._base(config)) / config.micro_batch
+            for (_, on), family in self._measured.items()
             if on
-            for m, peak in family.items()
+            for config, peak in family.items()
         ]
         if not slopes:
             measured = self.facts.checkpointed_bytes_per_sample
@@ -109,17 +131,20 @@ class MemoryModel:
     def predict(self, config: TrialConfig) -> int:
         """Predicted peak bytes per rank of ``config``."""
         family = self._measured.get((config.stage, config.checkpointing), {})
-        if len(family) >= 2:
-            xs = sorted(family)
+        # Measurements less the base at their micro-batch: the family's activations and offset.
+        points = {c.micro_batch: peak - self._base(c) for c, peak in family.items()}
+        base = self._base(config)
+        if len(points) >= 2:
+            xs = sorted(points)
             n = len(xs)
             mean_x = sum(xs) / n
-            mean_y = sum(family[x] for x in xs) / n
+            mean_y = sum(points[x] for x in xs) / n
             var = sum((x - mean_x) ** 2 for x in xs)
-            slope = sum((x - mean_x) * (family[x] - mean_y) for x in xs) / var
+            slope = sum((x - mean_x) * (points[x] - mean_y) for x in xs) / var
             slope = max(slope, 0.0)
-            return round(mean_y + slope * (config.micro_batch - mean_x))
+            return round(base + mean_y + slope * (config.micro_batch - mean_x))
         slope = self._slope(config.checkpointing)
-        if family:
-            ((m, peak),) = family.items()
-            return round(peak + slope * (config.micro_batch - m))
-        return round(self._base(config.stage) + slope * config.micro_batch)
+        if points:
+            ((m, above),) = points.items()
+            return round(base + above + slope * (config.micro_batch - m))
+        return round(base + slope * config.micro_batch)
