@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from benchmarks.tuner_quality.compare import (
+    Run,
     compare,
     coverage_table,
     gain_claim_table,
@@ -122,6 +123,28 @@ def _landscapes(args: argparse.Namespace) -> tuple[list[Landscape], NoiseModel]:
     return landscapes, noise
 
 
+def _load_runs(paths: list[str]) -> list[Run]:
+    """The runs saved in ``paths`` by ``--json``."""
+    runs = []
+    for path in paths:
+        with open(path, encoding="utf-8") as file:
+            for saved in json.load(file):
+                runs.append(
+                    Run(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
+                )
+    return runs
+
+
+def _seeds_per_tuner(runs: list[Run]) -> str:
+    """How many seeds each tuner ran, e.g. "20 seeds (bagua 5)"."""
+    counts: dict[str, set[int]] = {}
+    for run in runs:
+        counts.setdefault(run.tuner, set()).add(run.seed)
+    common = max(len(seeds) for seeds in counts.values())
+    fewer = [f"{tuner} {len(seeds)}" for tuner, seeds in counts.items() if len(seeds) != common]
+    return f"{common} seeds" + (f" ({', '.join(fewer)})" if fewer else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the comparison and print markdown tables (and JSON with --json)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tuner_quality")
@@ -158,6 +181,13 @@ def main(argv: list[str] | None = None) -> int:
         help="a quick look: 40 landscapes x 2 seeds, budgets 5,8,20, distune only",
     )
     parser.add_argument("--json", metavar="PATH", help="write every run's figures as JSON")
+    parser.add_argument(
+        "--runs",
+        metavar="JSON",
+        nargs="+",
+        help="tables and plot from runs saved with --json instead of running tuners (to join "
+        "tuners run in separate processes, with their own seed counts)",
+    )
     parser.add_argument("--plot", metavar="PNG", type=Path, help="draw the curves (matplotlib)")
     args = parser.parse_args(argv)
     if args.draw and args.budgets == parser.get_default("budgets"):
@@ -172,18 +202,19 @@ def main(argv: list[str] | None = None) -> int:
     tuners = _tuners(args)
     landscapes, noise = _landscapes(args)
     started = time.perf_counter()
-    mine = [t for t in tuners if t.name == "distune"]
-    others = [t for t in tuners if t.name != "distune"]
-    other_seeds = args.seeds if args.other_seeds is None else args.other_seeds
-    runs = compare(mine, landscapes, args.seeds, budgets, noise, args.jobs) if mine else []
-    if others:
-        runs += compare(others, landscapes, other_seeds, budgets, noise, args.jobs)
+    if args.runs:
+        runs = _load_runs(args.runs)
+    else:
+        mine = [t for t in tuners if t.name == "distune"]
+        others = [t for t in tuners if t.name != "distune"]
+        other_seeds = args.seeds if args.other_seeds is None else args.other_seeds
+        runs = compare(mine, landscapes, args.seeds, budgets, noise, args.jobs) if mine else []
+        if others:
+            runs += compare(others, landscapes, other_seeds, budgets, noise, args.jobs)
     elapsed = time.perf_counter() - started
 
     what = f"{args.draw} draw of random clusters" if args.draw else "standard suite"
-    seeds = f"{args.seeds} seeds" + (
-        f" (distune; {other_seeds} for the others)" if other_seeds != args.seeds else ""
-    )
+    seeds = _seeds_per_tuner(runs)
     print(
         f"# Tuner quality: {what}, {len(landscapes)} landscapes x {seeds}, "
         f"budgets {budgets} samples"
@@ -212,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             print("\nHow often the reported gain's 95% interval holds the true gain:\n")
             print(coverage)
         if args.plot:
-            percentile_plot(runs, args.plot, f"{what}: {len(landscapes)} x {args.seeds} seeds")
+            percentile_plot(runs, args.plot, f"{what}: {len(landscapes)} landscapes x {seeds}")
         if args.json:
             with open(args.json, "w", encoding="utf-8") as file:
                 json.dump([dataclasses.asdict(run) for run in runs], file)

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from benchmarks.tuner_quality.__main__ import main
 from benchmarks.tuner_quality.compare import (
     budget_to_good,
     compare,
@@ -160,3 +161,17 @@ def test_a_draw_is_reproducible_from_its_seed_and_the_two_draws_differ() -> None
     first, again = draw(HELD_OUT_SEED, 5), draw(HELD_OUT_SEED, 5)
     assert [ls.throughput for ls in first] == [ls.throughput for ls in again]
     assert [ls.name for ls in first] != [ls.name for ls in draw(TRAINING_SEED, 5)]
+
+
+def test_runs_saved_by_separate_processes_make_one_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    landscapes = draw(TRAINING_SEED, 2)
+    for name, tuners, seeds in (("a", [RandomSearch()], 3), ("b", [GridSearch()], 1)):
+        runs = compare(tuners, landscapes, seeds, [5, 8], NoiseModel())
+        (tmp_path / f"{name}.json").write_text(json.dumps([dataclasses.asdict(r) for r in runs]))
+    argv = ["--draw", "training", "--count", "2", "--budgets", "5,8", "--checkpoints", "5,8"]
+    main([*argv, "--runs", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    out = capsys.readouterr().out
+    assert "2 landscapes x 3 seeds (grid 1)" in out
+    assert "| random | 5 |" in out and "| grid | 8 |" in out

@@ -721,6 +721,11 @@ class TuningSession:
         # With confirmation on, the last sample never explores: what it found would win
         # unconfirmed. Contenders are confirmed best first, so the winner is confirmed first.
         last = 1 if self.config.confirm_top else 0
+        # And the default's one sample, first after warmup, is measured again before a group
+        # is chosen over it: the choice rests on the comparison of the two.
+        assert self._best is not None
+        if last and self._best.group.hyperparameters != self.space.default:
+            last += self._measurements[self.space.default].samples < 2
         may_explore = remaining > max(last, len(to_confirm))
         if to_confirm and remaining > 0 and (self._converged or not may_explore):
             return to_confirm[0], Phase.CONFIRM

@@ -407,7 +407,8 @@ def test_a_default_unlucky_the_first_time_wins_on_its_second_look():
         TuningConfig(
             max_samples=20, sampling_confidence_time=3.0, warmup_time=0, seed=2, confirm_top=0
         ),
-        TuningConfig(max_samples=5, sampling_confidence_time=3.0, warmup_time=0, seed=2),
+        # Three samples: the default, one group, its confirmation; none left for the default.
+        TuningConfig(max_samples=3, sampling_confidence_time=3.0, warmup_time=0, seed=2),
     ],
     ids=["without confirmation", "budget spent"],
 )
@@ -416,3 +417,14 @@ def test_the_default_is_not_measured_again_without_confirmation_or_budget(config
     run_to_completion(s, landscape=far_peak)
     assert s.view.best.group.hyperparameters != Hyperparameters(25, False)
     assert len(_samples_of(s, Hyperparameters(25, False))) == 1
+
+
+def test_the_default_is_measured_again_before_a_group_is_chosen_over_it():
+    """Five samples: the search stops a sample early so that the default's first sample,
+    taken right after warmup, is not the only evidence the choice rests on."""
+    config = TuningConfig(max_samples=5, sampling_confidence_time=3.0, warmup_time=0, seed=2)
+    s = session(config)
+    run_to_completion(s, landscape=far_peak)
+    assert s.view.best.group.hyperparameters != Hyperparameters(25, False)
+    phases = [r.phase for r in _samples_of(s, Hyperparameters(25, False))]
+    assert phases == [Phase.DEFAULT, Phase.CONFIRM]
