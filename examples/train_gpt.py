@@ -17,6 +17,9 @@ activation checkpointing::
     distune-run --nproc_per_node 2 --autotune_level 2 examples/train_gpt.py --steps 200 \
         --width 128 --context 32 --batch-size 2 --grad-accum 8
 
+A config holding ``bf16: {enabled: auto}`` (``--autotune_config``) lets level 2 try bf16 mixed
+precision too; without it the numerics are never changed.
+
 ``--engine torch`` trains the same model under ``torch.nn.parallel.DistributedDataParallel`` at
 its defaults instead, for a side-by-side comparison (launch it with torchrun or distune-run;
 nothing is tuned then).

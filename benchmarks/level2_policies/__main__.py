@@ -31,7 +31,7 @@ from torch.distributed.run import determine_local_world_size
 from benchmarks.level2_policies.grid import GridMeasurement, Trials, load_average, measure_grid
 from benchmarks.level2_policies.level2_run import level2_argv, run_level2_local, summarize
 from benchmarks.level2_policies.memory_error import error_summary
-from benchmarks.level2_policies.policies import compare_table
+from benchmarks.level2_policies.policies import compare_table, table_at_cap
 from benchmarks.level2_policies.trial_hosts import LocalTrials, TestbedTrials, testbed_environment
 from benchmarks.testbed.distune_job import run_distune
 from benchmarks.testbed.network import Testbed
@@ -74,6 +74,12 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("launcher_argv", nargs=argparse.REMAINDER)
     replay = commands.add_parser("replay", help="replay the policies against a grid")
     replay.add_argument("grid", type=Path)
+    replay.add_argument(
+        "--cap-mib",
+        type=int,
+        default=None,
+        help="replay as if under this smaller cap (MiB; peaks over it are oom)",
+    )
     memory = commands.add_parser("memory", help="the memory model's error on a grid")
     memory.add_argument("grid", type=Path)
     return parser  # fmt: skip
@@ -138,7 +144,15 @@ def main() -> None:
     args = _parser().parse_args()
     if args.command in ("replay", "memory"):
         table = json.loads(args.grid.read_text(encoding="utf-8"))
-        print(compare_table(table) if args.command == "replay" else error_summary(table))
+        if args.command == "memory":
+            print(error_summary(table))
+            return
+        if args.cap_mib is not None:
+            try:
+                table = table_at_cap(table, args.cap_mib * 2**20)
+            except ValueError as error:
+                raise SystemExit(f"--cap-mib {args.cap_mib}: {error}") from None
+        print(compare_table(table))
         return
     argv = [a for a in args.launcher_argv if a != "--"]
     if args.command == "measure":

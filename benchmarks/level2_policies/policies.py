@@ -154,6 +154,21 @@ def hand_tuning_policy(grid: Grid) -> Choice:
     )
 
 
+def table_at_cap(table: dict[str, Any], cap: int) -> dict[str, Any]:
+    """The grid as it would have run under a smaller ``cap``: a configuration whose measured
+    peak is over it is out of memory (peaks are the same in every pass). Real level-2 runs
+    ran under the measured cap, so they are left out."""
+    if table["cap"] is not None and cap > table["cap"]:
+        raise ValueError(f"a grid measured under {table['cap']} bytes says nothing above it")
+    rows = []
+    for row in table["rows"]:
+        over = row["outcome"] == OK and (row["peak_memory_bytes"] or 0) > cap
+        if over and row is table["rows"][0]:
+            raise ValueError(f"the profile trial's peak {row['peak_memory_bytes']} is over {cap}")
+        rows.append({**row, "outcome": "oom", "throughput": None} if over else row)
+    return {**table, "cap": cap, "rows": rows, "level2_runs": []}
+
+
 def _spread(row: dict[str, Any]) -> str:
     values = row.get("throughputs") or []
     if len(values) < 2:

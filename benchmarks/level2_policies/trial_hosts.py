@@ -79,6 +79,7 @@ class TestbedTrials:
 
     def spec(self, node: Node, script_args: list[str], port: int) -> dict[str, Any]:
         """torchrun's parsed arguments for ``node``'s part of the trial."""
+        # The launcher's arguments as the testbed gives them to ``python -m distune.run``.
         argv = launcher_argv(node, self.nproc_per_node, self.launcher_args)[3:]
         args, _ = parse(argv)
         torchrun_dests = {action.dest for action in get_args_parser()._actions}

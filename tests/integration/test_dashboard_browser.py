@@ -198,7 +198,7 @@ def test_the_dashboard_files_are_served_without_the_token_and_the_data_is_not(se
     )
 
 
-def test_the_dashboard_shows_level2_trials_and_the_best(service, browser):
+def test_the_dashboard_shows_level2_trials_and_the_best(service, browser, tmp_path):
     http = requests.Session()
     http.headers["Authorization"] = f"Bearer {TOKEN}"
 
@@ -238,3 +238,6 @@ def test_the_dashboard_shows_level2_trials_and_the_best(service, browser):
     assert cells[1][4] == "oom" and cells[1][9] == "OutOfMemoryError: over the cap"
     best = browser.find_elements(By.CSS_SELECTOR, f"{rows}.best")
     assert [row.find_element(By.TAG_NAME, "td").text for row in best] == ["2"]
+    screenshot = browser.get_screenshot_as_png()  # docs/images/dashboard_trials.png is one
+    (tmp_path / "dashboard_trials.png").write_bytes(screenshot)
+    assert png_size(screenshot)[0] >= 800 and len(screenshot) > 20_000

@@ -13,6 +13,7 @@ from benchmarks.level2_policies.policies import (
     deepspeed_policy,
     distune_policy,
     hand_tuning_policy,
+    table_at_cap,
 )
 
 from distune.tuning_service.trials.trial_config import TrialConfig, TrialPins
@@ -125,3 +126,21 @@ def test_the_level2_run_gets_tune_mode_and_its_results_dir_before_the_script() -
         level2_argv(["--autotune_results_dir=/x", "--autotune_level", "2", "t.py"], Path("/r"))
     with pytest.raises(SystemExit, match="--autotune_level 2"):
         level2_argv(["t.py"], Path("/r"))
+
+
+def test_a_smaller_cap_turns_the_configurations_over_it_into_oom() -> None:
+    measured = {**table(), "level2_runs": [{"trials": 5, "seconds": 61.0, "chosen": None}]}
+    cap = 250 * MiB
+    smaller = table_at_cap(measured, cap)
+    over = [r for r in measured["rows"] if r["outcome"] == "ok" and r["peak_memory_bytes"] > cap]
+    assert over  # the test means something
+    for before, after in zip(measured["rows"], smaller["rows"], strict=True):
+        if before in over:
+            assert (after["outcome"], after["throughput"]) == ("oom", None)
+        else:
+            assert after == before
+    assert smaller["cap"] == cap and smaller["level2_runs"] == []
+    with pytest.raises(ValueError, match="says nothing above it"):
+        table_at_cap(measured, CAP + 1)
+    with pytest.raises(ValueError, match="profile"):
+        table_at_cap(measured, peak(PROFILE) - 1)

@@ -216,7 +216,13 @@ def trial_port(args: argparse.Namespace) -> int:
     if nnodes == 1:
         return free_port()
     with socket.socket() as probe:
-        probe.bind((args.master_addr, 0))
+        try:
+            probe.bind((args.master_addr, 0))
+        except OSError as error:
+            raise OptionError(
+                f"--master_addr {args.master_addr}: node 0 cannot listen there for its trials' "
+                f"rendezvous ({error.strerror or error}); give node 0's own address"
+            ) from None
         return int(probe.getsockname()[1])
 
 
@@ -253,6 +259,8 @@ class Level2:
         if options.autotune_resume == self.results_dir:
             # Resuming in place: the reused trials are written again as they are reused.
             (self.results_dir / "trials.jsonl").unlink()
+        #: Nodes that reported the last trial (all of them until a trial ends).
+        self.answering = set(range(self.nnodes))
         self.started = time.monotonic()
 
     def _earlier_results(self) -> list[TrialResult]:
@@ -354,6 +362,8 @@ class Level2:
         told = False
         while True:
             view = self.client.trial(index)
+            # The nodes that answer: at the end, only they are waited for.
+            self.answering = {int(node) for node in view["nodes"]}
             if view["combined"] is not None:
                 return dict(view["combined"])
             waited = time.monotonic() - start
@@ -408,9 +418,9 @@ class Level2:
         return search
 
     def _wait_acknowledged(self, timeout: float) -> None:
-        """Keep the service up until every other node has seen the finish or stop (or
-        ``timeout`` passed: a node that is gone cannot see it)."""
-        others = set(range(1, self.nnodes))
+        """Keep the service up until every other node that reported the last trial has seen the
+        finish or stop (or ``timeout`` passed: a node that is gone cannot see it)."""
+        others = set(range(1, self.nnodes)) & self.answering
         deadline = time.monotonic() + timeout
         while others and time.monotonic() < deadline:
             try:

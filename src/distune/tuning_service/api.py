@@ -10,6 +10,7 @@ docs/tuning_service.md documents the endpoints; ``openapi.py`` describes them.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, NoReturn, cast
 
 from flask import Blueprint, Response, current_app, jsonify, request
@@ -119,9 +120,10 @@ def current_trial() -> Response:
             repr(unknown[0]), "unknown query parameter; the one allowed is node_rank"
         )
     node_rank = request.args.get("node_rank")
-    if node_rank is not None and not node_rank.isdigit():
+    # ASCII digits only: str.isdigit() also takes "²", which int() refuses.
+    if node_rank is not None and not re.fullmatch(r"[0-9]{1,6}", node_rank):
         raise RequestError("node_rank", f"must be a node rank (0, 1, ...), got {node_rank[:20]!r}")
-    ranked = None if node_rank is None else int(node_rank[:9])
+    ranked = None if node_rank is None else int(node_rank)
     return jsonify(current_service().trials.current(ranked))
 
 

@@ -234,12 +234,19 @@ class TrialRecord:
             )
         _choice("outcome", body["outcome"], OUTCOMES)
         _optional_object("config", body["config"])
-        throughput = body.get("throughput")
-        if throughput is not None:
-            try:
-                number_in(throughput, 0.0, 1e15)
-            except InvalidValue as error:
-                raise RequestError("throughput", str(error)) from None
+        # What status and the dashboard show must have the type they expect.
+        for name, high in (("throughput", 1e15), ("step_seconds", 1e7)):
+            if body.get(name) is not None:
+                try:
+                    number_in(body[name], 0.0, high)
+                except InvalidValue as error:
+                    raise RequestError(name, str(error)) from None
+        for name in ("peak_memory_bytes", "predicted_memory_bytes"):
+            if body.get(name) is not None:
+                _integer(name, body[name], 0, 2**62)
+        for name in ("purpose", "error", "strategy", "log_path"):
+            if body.get(name) is not None and not isinstance(body[name], str):
+                raise RequestError(name, f"must be a string or null, got {body[name]!r:.40}")
         return cls(dict(body))
 
 

@@ -51,6 +51,8 @@ PREPARE = "prepare"
 WRAPPER = "wrapper"
 #: True while ``distune.prepare`` builds its wrappers: they are measured by prepare.
 _PREPARING: ContextVar[bool] = ContextVar("distune_preparing", default=False)
+#: Set once a wrapper measures this process's trial: a second wrapper leaves it to the first.
+_MEASURING: ContextVar[bool] = ContextVar("distune_measuring", default=False)
 
 
 class TrialStepError(DistuneError, RuntimeError):
@@ -360,12 +362,14 @@ def measure_wrapper_in_trial(wrapper: nn.Module, module: nn.Module, reducer: Red
     """Called by every ``distune.DistributedDataParallel`` it builds. Inside a level-2 trial
     (``DISTUNE_TRIAL_DIR``) of a script that did not go through ``distune.prepare``, measure
     its steps through the wrapper, capped, and report as a prepared trial does; outside one,
-    only apply the device memory cap if the launcher set one."""
-    if _PREPARING.get():
+    only apply the device memory cap if the launcher set one. Only the first such wrapper of
+    a process does (a second model's steps are counted in the first's)."""
+    if _PREPARING.get() or _MEASURING.get():
         return
     settings = TrialSettings.from_env()
     if not settings.is_trial and settings.device_memory is None:
         return
+    _MEASURING.set(True)  # one meter and one measurement per process
     device = next(module.parameters()).device
     meter = start_meter(device, settings.device_memory, [*module.parameters(), *module.buffers()])
     if settings.trial_dir is None:

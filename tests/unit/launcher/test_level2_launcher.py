@@ -3,6 +3,7 @@ mapped flags, the command that runs the winner with tuning off, and the level-2 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -207,6 +208,20 @@ def test_level2_refuses_a_results_dir_already_used(tmp_path: Path) -> None:
         Level2(args, options, TrialPins(), argv, TrialClient("http://127.0.0.1:9"))
 
 
+def test_node_0_refuses_a_master_addr_it_cannot_listen_at() -> None:
+    from distune.launcher.level2 import trial_port
+    from distune.launcher.options import OptionError
+
+    argv = ["--nnodes", "2", "--node_rank", "0", "--master_addr", "192.0.2.1"]  # TEST-NET-1
+    args, _ = parse([*argv, "--autotune_level", "2", "t.py"])
+    with pytest.raises(OptionError, match=r"--master_addr 192\.0\.2\.1: node 0 cannot listen"):
+        trial_port(args)
+    args, _ = parse(
+        ["--nnodes", "2", "--master_addr", "127.0.0.1", "--autotune_level", "2", "t.py"]
+    )
+    assert 0 < trial_port(args) < 65536
+
+
 def test_a_script_measured_through_its_wrapper_keeps_ddp_and_its_unmapped_knobs() -> None:
     from distune.launcher.level2 import space_pins
     from distune.tuning_service.trials.trial_config import TrialConfig, TrialConfigError
@@ -222,3 +237,22 @@ def test_a_script_measured_through_its_wrapper_keeps_ddp_and_its_unmapped_knobs(
         space_pins(TrialPins(), own, "wrapper")
     with pytest.raises(TrialConfigError, match=r"need the script to call distune\.prepare"):
         space_pins(TrialPins(stage=2, arg_mappings=mapped.arg_mappings), own, "wrapper")
+
+
+def test_a_best_config_in_bf16_reaches_the_ranks_and_auto_profiles_in_full_precision(
+    tmp_path: Path,
+) -> None:
+    from distune.launcher.level2 import settings_for
+    from distune.trial_settings import BF16
+    from distune.tuning_service.trials.trial_config import TrialConfig
+
+    best = TrialConfig(8, 2, 1, False, bf16=True)
+    path = tmp_path / "best_config.json"
+    path.write_text(json.dumps(best.to_config(2)))
+    args, _ = parse(["--autotune_level", "0", "--autotune_config", str(path), "t.py"])
+    pins = trial_pins(args)
+    assert pins.bf16 is True
+    assert settings_for(None, pins, None).to_env()[BF16] == "1"  # levels 0/1 run it in bf16
+    assert settings_for(best, TrialPins(bf16=None), None).to_env()[BF16] == "1"
+    # bf16 allowed (auto): the profile runs the script's own numerics, full precision.
+    assert BF16 not in settings_for(None, TrialPins(bf16=None), None).to_env()

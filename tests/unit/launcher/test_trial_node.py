@@ -4,6 +4,7 @@ node 0 (which has no rank 0 result) tells that its ranks ended well."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from waitress.server import create_server
@@ -113,3 +114,23 @@ def test_node_0_gives_up_on_a_node_that_never_reports(
     combined = level2._combined(0)
     assert combined["outcome"] == outcome
     assert combined["error"].startswith(error)
+
+
+def test_node_0_waits_at_the_end_only_for_the_nodes_that_answer(service_url, tmp_path):
+    client = TrialClient(service_url, TOKEN)
+    argv = ["--nnodes", "3", "--master_addr", "127.0.0.1", "--autotune_level", "2",
+            "--autotune_results_dir", str(tmp_path / "r"), "t.py"]  # fmt: skip
+    args, options = parse(argv)
+    level2 = Level2(args, options, TrialPins(), argv, client)
+    level2.late_after = 0.3
+    client.publish({"trial": 0, "nnodes": 3, "purpose": "profile", "knobs": {},
+                    "master_port": 29600})  # fmt: skip
+    for node_rank in (0, 1):
+        client.report(0, node_rank, {"outcome": "crash", "duration": 1.0, "error": "E"})
+    assert level2._combined(0)["outcome"] == "timeout"  # node 2 never reported
+    client.record(0, {"trial": 0, "config": None, "outcome": "timeout"})
+    client.finish({"mode": "tune"})
+    client.current(node_rank=1)  # node 1 has seen the end; node 2 is gone
+    start = time.monotonic()
+    level2._wait_acknowledged(20.0)
+    assert time.monotonic() - start < 5
