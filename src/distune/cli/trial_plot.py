@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from distune.tuning_service.trials.trial_config import STRATEGY_NAMES
-from distune.tuning_service.trials.trial_result import OK, TrialResult
+from distune.tuning_service.trials.trial_result import OK, THROUGHPUT, TrialResult
+from distune.tuning_service.trials.trial_search import ranking
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -37,17 +38,12 @@ def label(trial: TrialResult) -> str:
 
 
 def best(trials: list[TrialResult]) -> tuple[TrialResult, float] | None:
-    """The configuration with the highest mean throughput (a trial of it) and that mean."""
-    means: dict[object, list[float]] = {}
-    first: dict[object, TrialResult] = {}
-    for trial in trials:
-        if trial.outcome == OK and trial.throughput is not None:
-            means.setdefault(trial.config, []).append(trial.throughput)
-            first.setdefault(trial.config, trial)
-    if not means:
+    """The configuration with the highest mean throughput (its first trial) and that mean."""
+    ranked = ranking(trials, THROUGHPUT)
+    if not ranked:
         return None
-    config = max(means, key=lambda c: sum(means[c]) / len(means[c]))
-    return first[config], sum(means[config]) / len(means[config])
+    config, mean = ranked[0]
+    return next(t for t in trials if t.config == config), mean
 
 
 def draw_trials(trials: list[TrialResult], title: str) -> Figure:

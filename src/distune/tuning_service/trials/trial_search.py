@@ -22,6 +22,7 @@ once more, and the best mean wins.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from distune.tuning_service.trials.memory_model import MemoryModel
@@ -35,6 +36,17 @@ NEAR_FULL = 0.85
 REMEASURED = 2
 #: A family of configurations: (ZeRO stage, activation checkpointing, bf16).
 Family = tuple[int, bool, bool]
+
+
+def ranking(results: Iterable[TrialResult], metric: str) -> list[tuple[TrialConfig, float]]:
+    """The configurations of the ok ``results``, best first, each with the mean of its values
+    of ``metric`` (as numbers to maximise: latency negated)."""
+    values: dict[TrialConfig, list[float]] = {}
+    for result in results:
+        if result.outcome == OK:
+            values.setdefault(result.config, []).append(result.value(metric))
+    means = [(config, sum(v) / len(v)) for config, v in values.items()]
+    return sorted(means, key=lambda item: (-item[1], item[0]))
 
 
 @dataclass(frozen=True)
@@ -132,9 +144,7 @@ class TrialSearch:
 
     def ranking(self) -> list[tuple[TrialConfig, float]]:
         """Measured configurations, best first, by the mean of their measurements."""
-        configs = {r.config for r in self.results if r.outcome == OK}
-        means = [(c, sum(self.scores(c)) / len(self.scores(c))) for c in configs]
-        return sorted(means, key=lambda item: (-item[1], item[0]))
+        return ranking(self.results, self.metric)
 
     def best(self) -> TrialConfig | None:
         """The winning configuration so far, or None if no trial succeeded."""
