@@ -148,7 +148,10 @@ class Reducer:
     flat, which it is equivalent to, and :attr:`hyperparameters` says flat). ``device`` is where
     small collectives run (CUDA for NCCL). ``module``, when given, is the module ``params`` came
     from: if it later holds a trainable parameter the reducer does not average (a submodule
-    replaced after wrapping), the next backward that leaves a parameter without gradient raises.
+    replaced after wrapping), the next backward that leaves a parameter without gradient raises;
+    so does the next averaged backward after a parameter frozen at construction is unfrozen.
+    ``ignored`` names the module's parameters that are deliberately not averaged (torch's
+    ``_ddp_params_and_buffers_to_ignore``).
 
     A backward is averaged only if a forward armed the reducer (:meth:`prepare_for_forward`
     outside ``no_sync``) since the last averaged backward, as torch DDP's reducer expects its
@@ -166,6 +169,7 @@ class Reducer:
         device: torch.device,
         module: torch.nn.Module | None = None,
         exchange: ExchangeFactory | None = None,
+        ignored: frozenset[str] = frozenset(),
     ) -> None:
         self._params = list(params)
         self._names = list(names)
@@ -173,6 +177,17 @@ class Reducer:
         self._world_size = dist.get_world_size(process_group)
         self._device = device
         self._module = None if module is None else weakref.ref(module)
+        self._ignored = ignored
+        # The module's parameters frozen at construction, not averaged: one unfrozen later
+        # would train without averaging (checked after each averaged backward, cheaply).
+        known = {id(p) for p in self._params}
+        self._frozen = (
+            []
+            if module is None
+            else [
+                p for n, p in module.named_parameters() if id(p) not in known and n not in ignored
+            ]
+        )
         self._sizes = [p.numel() * p.element_size() for p in self._params]
         self._keys = [(p.dtype, p.device) for p in self._params]
         # Launch order guess until the first backward tells: reverse registration order.
@@ -426,7 +441,7 @@ class Reducer:
     def _finish_reduction(self) -> None:
         # Parameters without a gradient in this backward: contribute .grad as it is (zeros if
         # None), in an order every rank shares, so the last buckets launch everywhere.
-        if not all(self._ready):
+        if not all(self._ready) or any(p.requires_grad for p in self._frozen):
             self._check_module_unchanged()
         for index in range(len(self._params)):
             if self._ready[index]:
@@ -447,7 +462,11 @@ class Reducer:
         if module is None:
             return
         known = {id(p) for p in self._params}
-        added = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in known]
+        added = [
+            n
+            for n, p in module.named_parameters()
+            if p.requires_grad and id(p) not in known and n not in self._ignored
+        ]
         if added:
             raise ReductionError(
                 f"the module has trainable parameters it did not have when it was wrapped "
