@@ -366,9 +366,12 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module; gradients of the coming backward are averaged unless the
-        forward ran under :meth:`no_sync`."""
+        forward ran under :meth:`no_sync`. A second backward through this forward's output,
+        after its gradients were averaged, raises (see :meth:`.Reducer.watch`)."""
+        watched = None
         if torch.is_grad_enabled():
             reducer = self._runtime()
+            reducer.check_module(self.module)
             if self._averager is not None:
                 self._averager.before_forward()
             averages = self.require_backward_grad_sync
@@ -381,7 +384,12 @@ class DistributedDataParallel(nn.Module, Joinable):
             if averages and self.broadcast_buffers and self._buffer_broadcast is not None:
                 self._buffer_broadcast(source)
             reducer.prepare_for_forward(self.require_backward_grad_sync)
-        return self.module(*args, **kwargs)
+            if self.require_backward_grad_sync:
+                watched = reducer
+        output = self.module(*args, **kwargs)
+        if watched is not None:
+            watched.watch(output)
+        return output
 
     def join(
         self,
@@ -513,12 +521,24 @@ def _trainable(module: nn.Module, ignored: frozenset[str]) -> list[tuple[str, nn
             "the module once before wrapping it, as torch DDP requires"
         )
     _refuse_sparse(module, ignored)
+    _refuse_nested(module)
     if not named:
         raise ValueError(
             "the module has no parameter that requires a gradient: there is nothing to "
             "average, so it needs no DistributedDataParallel"
         )
     return named
+
+
+def _refuse_nested(module: nn.Module) -> None:
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, DistributedDataParallel | torch.nn.parallel.DistributedDataParallel):
+            where = f"submodule {prefix!r}" if prefix else "the module"
+            raise ValueError(
+                f"{where} is already a {type(sub).__module__}.{type(sub).__name__}: nested "
+                "wrappers would average its gradients twice, racing each other. Wrap the bare "
+                "model once (the inner wrapper's .module)"
+            )
 
 
 def _refuse_sparse(module: nn.Module, ignored: frozenset[str]) -> None:

@@ -13,9 +13,10 @@ the rules and the reasons; they are written there once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -104,6 +105,28 @@ def _on_grad_ready(reducer_ref: weakref.ref[Reducer], index: int, param: torch.T
     reducer = reducer_ref()
     if reducer is not None:
         reducer._grad_ready(index)
+
+
+def _on_output_grad(
+    reducer_ref: weakref.ref[Reducer], iterations_at_forward: int, grad: torch.Tensor
+) -> None:
+    reducer = reducer_ref()
+    if reducer is not None:
+        reducer._output_reached(iterations_at_forward)
+
+
+def _tensors_in(output: Any) -> list[torch.Tensor]:
+    """The tensors in a forward's output: nested in lists, tuples, mappings (Hugging Face's
+    ``ModelOutput`` is one) and dataclasses, as torch DDP finds them."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, list | tuple):
+        return [t for item in output for t in _tensors_in(item)]
+    if isinstance(output, Mapping):
+        return [t for item in output.values() for t in _tensors_in(item)]
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        return [t for f in dataclasses.fields(output) for t in _tensors_in(getattr(output, f.name))]
+    return []
 
 
 def _release(handles: list[Any], hierarchical: _HierarchicalAllreduce | None) -> None:
@@ -310,6 +333,17 @@ class Reducer:
                 "(did backward raise?). Every rank must finish each backward."
             )
 
+    def check_module(self, module: torch.nn.Module) -> None:
+        """Raise if ``module`` (the wrapper's ``.module`` at a forward) is not the module the
+        reducer was built for: the new one's parameters would train without averaging (torch's
+        DDP lets them, silently)."""
+        if self._module is not None and self._module() is not module:
+            raise ReductionError(
+                "model.module was replaced after wrapping: its parameters would train without "
+                "averaging. Wrap the new module instead: "
+                "distune.DistributedDataParallel(new_module)"
+            )
+
     def prepare_for_forward(self, sync: bool) -> None:
         """Arm the reducer for the coming backward if ``sync`` (a forward outside no_sync), as
         torch DDP decides it at forward time; raise if the previous backward was left half done.
@@ -322,6 +356,29 @@ class Reducer:
             if sync:
                 self.armed = True
             self._spares = []
+
+    def watch(self, output: Any) -> None:
+        """Catch a later backward through ``output``, what a forward that armed the reducer
+        returned, once the reducer has averaged a backward since: its gradients would stay
+        local (torch DDP lets them), so the ranks would silently drift apart. That is a second
+        backward after one forward (``retain_graph=True``), or two forwards and a backward for
+        each. The check runs as that backward reaches ``output``, before any gradient."""
+        reference = weakref.ref(self)
+        for tensor in _tensors_in(output):
+            # Not on a leaf (a parameter returned as is): its hooks would outlive the forward.
+            if tensor.grad_fn is not None:
+                tensor.register_hook(partial(_on_output_grad, reference, self.iterations))
+
+    def _output_reached(self, iterations_at_forward: int) -> None:
+        if self.iterations > iterations_at_forward:
+            raise ReductionError(
+                "a backward reached the output of a forward whose gradients were already "
+                "averaged by an earlier backward (two backward calls after one forward, or "
+                "two forwards then a backward for each): this backward's gradients would "
+                "stay local, so the ranks would drift apart (torch's DDP lets them, "
+                "silently). Sum the losses into one backward, or run a forward before each "
+                "backward"
+            )
 
     def _grad_ready(self, index: int) -> None:
         with self._lock:

@@ -361,3 +361,27 @@ def test_join_refuses_model_averaging_algorithms(world):
     with pytest.raises(ValueError, match="join\\(\\) cannot shadow AsyncModelAverage"):
         model.join()
     model.finish()
+
+
+def test_parameters_on_two_devices_are_refused_as_torch_refuses_them(world):
+    module = mlp()
+    module[3].to("meta")
+    for wrapper in (distune.DistributedDataParallel, TorchDDP):
+        with pytest.raises(ValueError, match=r"cpu.*meta|meta.*cpu"):
+            wrapper(module)
+
+
+def test_nested_wrappers_are_refused_at_construction(world):
+    inner = distune.DistributedDataParallel(mlp(), name="inner")
+    with pytest.raises(ValueError, match=r"submodule '0' is already a .*DistributedDataParallel"):
+        distune.DistributedDataParallel(nn.Sequential(inner, nn.Linear(4, 2)))
+    with pytest.raises(ValueError, match=r"the module is already a torch\.nn\.parallel"):
+        distune.DistributedDataParallel(TorchDDP(mlp()))
+
+
+def test_replacing_model_module_is_an_error_at_the_next_forward(world):
+    model = distune.DistributedDataParallel(mlp())
+    step(model)
+    model.module = mlp()  # torch's DDP would train it without averaging
+    with pytest.raises(ReductionError, match=r"model\.module was replaced.*Wrap the new module"):
+        step(model)
