@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import inspect
 import io
 import logging
 import pickle
@@ -18,7 +19,6 @@ import torch.distributed as dist
 from test_worker_tuning import ScriptedService, group, train_until
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.nn.parallel.distributed import _MixedPrecision
 
 import distune
 from distune import Hyperparameters
@@ -27,6 +27,10 @@ from distune.worker_runtime.reducer import ReductionError
 from distune.worker_runtime.torch_ddp_arguments import TorchDDPArguments, UnsupportedArgumentError
 
 TorchDDP = nn.parallel.DistributedDataParallel
+needs_torch_2_13 = pytest.mark.skipif(
+    "forward_sync_buffers" not in inspect.signature(TorchDDP.__init__).parameters,
+    reason="torch < 2.13's arguments",
+)
 
 
 @pytest.fixture
@@ -224,6 +228,7 @@ def test_a_refused_registration_shows_the_services_message_and_stops_tuning(tuni
 # -- torch DDP's arguments, bound against the installed torch's signature -----------------------
 
 
+@needs_torch_2_13
 def test_torch_attributes_have_torch_ddps_values(world):
     module = mlp()
     TorchDDP._set_params_and_buffers_to_ignore_for_model(module, ["1.running_mean"])
@@ -249,6 +254,7 @@ def test_torch_attributes_have_torch_ddps_values(world):
         assert model.static_graph and not model.forward_sync_buffers
 
 
+@needs_torch_2_13
 @pytest.mark.parametrize(
     ("kwargs", "forward", "construction"),
     [
@@ -282,7 +288,10 @@ def test_a_call_torch_refuses_raises_torchs_type_error(world, args, kwargs, mess
         distune.DistributedDataParallel(mlp(), *args, **kwargs)
 
 
+@needs_torch_2_13
 def test_arguments_that_change_the_math_are_refused_by_name(world):
+    from torch.nn.parallel.distributed import _MixedPrecision
+
     with pytest.raises(UnsupportedArgumentError, match=r"mixed_precision=.*torch\.autocast"):
         distune.DistributedDataParallel(mlp(), mixed_precision=_MixedPrecision(torch.bfloat16))
     with pytest.raises(UnsupportedArgumentError, match=r"bucket_cap_mb_list=\[1, 25\].*one size"):
@@ -303,6 +312,7 @@ def test_an_argument_a_newer_torch_adds_is_refused_unless_left_at_its_default(wo
         distune.DistributedDataParallel(mlp(), bucket_cap_mb=1)  # not in that torch
 
 
+@needs_torch_2_13
 def test_delayed_allreduce_arguments_follow_torchs_rules(world):
     module = mlp()
     with pytest.raises(ValueError, match="need to be set at the same time"):
@@ -320,6 +330,7 @@ def test_delayed_allreduce_arguments_follow_torchs_rules(world):
     )
 
 
+@needs_torch_2_13
 def test_device_mesh_gives_the_process_group_as_in_torch(world):
     mesh = init_device_mesh("cpu", (1,))
     model = distune.DistributedDataParallel(mlp(), device_mesh=mesh)
@@ -385,3 +396,20 @@ def test_replacing_model_module_is_an_error_at_the_next_forward(world):
     model.module = mlp()  # torch's DDP would train it without averaging
     with pytest.raises(ReductionError, match=r"model\.module was replaced.*Wrap the new module"):
         step(model)
+
+
+def test_hooks_on_the_wrapper_and_train_eval_work_as_on_torchs(world):
+    seen: dict[str, list[str]] = {}
+    for label, model in (
+        ("ours", distune.DistributedDataParallel(mlp())),
+        ("torch", TorchDDP(mlp())),
+    ):
+        calls = seen.setdefault(label, [])
+        model.register_forward_pre_hook(lambda m, args, calls=calls: calls.append("pre"))
+        model.register_forward_hook(lambda m, args, out, calls=calls: calls.append(str(out.shape)))
+        model.eval()
+        assert not model.module[1].training
+        model.train()
+        step(model)
+        calls.append(str(model.module[1].training))
+    assert seen["ours"] == seen["torch"] == ["pre", "torch.Size([3, 4])", "True"]
