@@ -33,6 +33,10 @@ from distune.worker_runtime.topology import HierarchicalProcessGroups
 #: Gradients of at least this many elements are divided while copied into their bucket.
 FUSED_DIVISION_MIN_NUMEL = 4096
 
+#: The attribute of a bucket's flat tensor holding its reducer, weakly: a gradient that is a
+#: view of another reducer's bucket tells whose it is.
+_OWNER = "_distune_reducer"
+
 
 class ReductionError(DistuneError, RuntimeError):
     """Gradients cannot be averaged as asked; the message names the parameters concerned."""
@@ -280,6 +284,8 @@ class Reducer:
     def _build(self, hyperparameters: Hyperparameters) -> None:
         layout = assign_buckets(self._sizes, self._keys, self._order, hyperparameters.bucket_size)
         self._buckets = [Bucket([self._params[i] for i in members]) for members in layout]
+        for bucket in self._buckets:
+            setattr(bucket.flat, _OWNER, weakref.ref(self))
         self._members = layout
         self._slots = [Slot(0, 0)] * len(self._params)
         self._views: list[torch.Tensor] = [torch.empty(0)] * len(self._params)
@@ -393,6 +399,8 @@ class Reducer:
                     "supported: use torch.utils.checkpoint with use_reentrant=False)"
                 )
             grad = self._params[index].grad  # set: the hook runs after accumulation
+            if grad is not None and grad is not self._views[index]:
+                self._check_not_shared(index, grad)
             if grad is not None and grad.is_sparse:
                 raise ReductionError(
                     f"parameter {self._names[index]!r} has a sparse gradient; distune averages "
@@ -400,6 +408,21 @@ class Reducer:
                 )
             self._into_bucket(index)
             self._mark_ready(index)
+
+    def _check_not_shared(self, index: int, grad: torch.Tensor) -> None:
+        """Raise if ``grad`` is a view of the bucket of another reducer averaging this backward:
+        two wrappers share the parameter, and the second would average (and divide) what the
+        first is still averaging."""
+        base = grad._base
+        owner = None if base is None else getattr(base, _OWNER, None)
+        other = None if owner is None else owner()
+        if other is not None and other is not self and other.armed:
+            raise ReductionError(
+                f"parameter {self._names[index]!r} is averaged by two DistributedDataParallel "
+                "wrappers in one backward (they share it): each would average it, the second "
+                "what the first is still averaging. Wrap one module holding both models (e.g. "
+                "an nn.ModuleDict of them)"
+            )
 
     def _into_bucket(self, index: int) -> None:
         """Make ``.grad`` the bucket view, holding the gradient (zeros if it is ``None``)."""

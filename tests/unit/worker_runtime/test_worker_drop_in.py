@@ -413,3 +413,23 @@ def test_hooks_on_the_wrapper_and_train_eval_work_as_on_torchs(world):
         step(model)
         calls.append(str(model.module[1].training))
     assert seen["ours"] == seen["torch"] == ["pre", "torch.Size([3, 4])", "True"]
+
+
+def test_two_wrappers_averaging_a_shared_parameter_in_one_backward_are_an_error(world):
+    shared = nn.Linear(16, 16)
+    first = distune.DistributedDataParallel(nn.Sequential(shared, nn.Linear(16, 4)), name="a")
+    second = distune.DistributedDataParallel(nn.Sequential(shared, nn.Linear(16, 2)), name="b")
+    x = torch.randn(3, 16)
+    with pytest.raises(ReductionError, match=r"'0\.(weight|bias)' is averaged by two .*wrappers"):
+        (first(x).sum() + second(x).sum()).backward()
+
+
+def test_rewrapping_after_training_with_kept_gradients_is_no_sharing(world):
+    module = mlp()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    old = distune.DistributedDataParallel(module)
+    for model in (old, distune.DistributedDataParallel(module)):  # the old one stays referenced
+        optimizer.zero_grad(set_to_none=False)  # .grad stays a view of the old buckets
+        step(model)
+        optimizer.step()
+    assert old._reducer.iterations == 1
