@@ -398,7 +398,10 @@ class Reducer:
                     "backward (a parameter used in several reentrant checkpoints is not "
                     "supported: use torch.utils.checkpoint with use_reentrant=False)"
                 )
-            grad = self._params[index].grad  # set: the hook runs after accumulation
+            param = self._params[index]
+            if (param.dtype, param.device) != self._keys[index]:
+                self._raise_converted(index)
+            grad = param.grad  # set: the hook runs after accumulation
             if grad is not None and grad is not self._views[index]:
                 self._check_not_shared(index, grad)
             if grad is not None and grad.is_sparse:
@@ -408,6 +411,17 @@ class Reducer:
                 )
             self._into_bucket(index)
             self._mark_ready(index)
+
+    def _raise_converted(self, index: int) -> None:
+        param = self._params[index]
+        dtype, device = self._keys[index]
+        # .half()/.to() after wrapping also converts a .grad in place, detaching it from its
+        # bucket: its gradients would stay local.
+        raise ReductionError(
+            f"parameter {self._names[index]!r} is {param.dtype} on {param.device} but was "
+            f"{dtype} on {device} when it was wrapped (model.half() or .to() after wrapping): "
+            "convert the module first, then wrap it"
+        )
 
     def _check_not_shared(self, index: int, grad: torch.Tensor) -> None:
         """Raise if ``grad`` is a view of the bucket of another reducer averaging this backward:
