@@ -306,9 +306,16 @@ class Reducer:
 
     def set_exchange(self, exchange: ExchangeFactory) -> None:
         """Average with ``exchange(buckets, None)`` from the next backward on (between
-        iterations; ``buckets()`` returns the buckets in launch order)."""
+        iterations; ``buckets()`` returns the buckets in launch order). Once: an exchange
+        may keep state per bucket, as torch's communication hooks do (torch refuses a second
+        one too)."""
         with self._lock:
             self._check_idle("change the gradient exchange")
+            if self._exchange is not None:
+                raise ReductionError(
+                    "register_comm_hook can only be called once (as with torch's DDP), and not "
+                    "with an algorithm other than GradientAllReduce"
+                )
             made = exchange(_buckets_of(weakref.ref(self)), None)
             if made is None:
                 raise ValueError("set_exchange needs an exchange, got None")

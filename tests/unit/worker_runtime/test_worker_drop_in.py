@@ -18,6 +18,10 @@ import torch
 import torch.distributed as dist
 from test_worker_tuning import ScriptedService, group, train_until
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+    allreduce_hook,
+    fp16_compress_hook,
+)
 from torch.distributed.device_mesh import init_device_mesh
 
 import distune
@@ -441,3 +445,10 @@ def test_converting_the_model_after_wrapping_is_an_error_not_local_gradients(wor
     model.half()  # also converts each .grad in place, out of its bucket
     with pytest.raises(ReductionError, match=r"torch\.float16 on cpu but was torch\.float32"):
         model(torch.randn(3, 16).half()).sum().backward()
+
+
+def test_a_second_comm_hook_is_refused_as_torch_refuses_it(world):
+    for model in (distune.DistributedDataParallel(mlp()), TorchDDP(mlp())):
+        model.register_comm_hook(None, fp16_compress_hook)
+        with pytest.raises(RuntimeError, match="can only be called once"):
+            model.register_comm_hook(None, allreduce_hook)
