@@ -296,7 +296,17 @@ def join_cases(out: Path) -> dict:
     low = distune.algorithms.LowPrecision(bits=16, dtype="bf16")
     ours = distune.DistributedDataParallel(make_model(), algorithm=low)
     uneven(ours, accumulate=1)
-    return {"iterations": ours._reducer.iterations, "first": ours.module[0].bias[0].item()}
+    result = {"iterations": ours._reducer.iterations, "first": ours.module[0].bias[0].item()}
+    for label, wrapper in (("ours", distune.DistributedDataParallel), ("torch", TorchDDP)):
+        model, steps = wrapper(make_model()), 0
+        try:  # every rank stops when rank 0 runs out: a RuntimeError on each, as torch's
+            with model.join(throw_on_early_termination=True):
+                for step in range(2 + 2 * dist.get_rank()):
+                    loss_of(model, batch(step)).backward()
+                    steps += 1
+        except RuntimeError:
+            result[f"early {label}"] = steps
+    return result
 
 
 @scenario
@@ -358,6 +368,7 @@ def test_join_with_no_sync_and_with_a_comm_hook_matches_torch_and_low_precision_
     low = results["join_cases"]
     assert low[0]["iterations"] == low[1]["iterations"] == 4
     assert low[0]["first"] == low[1]["first"], "the last joiner's parameters reach every rank"
+    assert [(r["early ours"], r["early torch"]) for r in low] == [(2, 2), (2, 2)]
 
 
 if __name__ == "__main__":
