@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from distune.errors import DistuneError
 from distune.space import Hyperparameters
 from distune.worker_runtime.algorithms import Algorithm, GradientAllReduce
 from distune.worker_runtime.algorithms.base import ModelAverager
@@ -44,6 +45,14 @@ from distune.worker_runtime.trial_measurement import measure_wrapper_in_trial
 from distune.worker_settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
+
+
+class UnsupportedModuleError(DistuneError, ValueError):
+    """A module, or a use of it, that torch's DDP accepts but distune cannot average as torch
+    does (sparse embeddings, a DDP wrapper nested inside, ``join()`` under a model-averaging
+    algorithm or with ``divide_by_initial_world_size=False``); the message names it and the
+    way out."""
+
 
 #: What is not pickled (process groups, hooks, threads): rebuilt by ``__setstate__``.
 _RUNTIME = (
@@ -413,14 +422,14 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _check_joinable(self, divide_by_initial_world_size: object) -> None:
         if self._averager is not None:
-            raise ValueError(
+            raise UnsupportedModuleError(
                 f"join() cannot shadow {self.algorithm!r}: its weight exchanges run at "
                 "forwards, which a rank out of inputs has none of. Give every rank the same "
                 "number of batches (e.g. DistributedSampler(drop_last=True)), or use a "
                 "gradient algorithm (GradientAllReduce, LowPrecision) with join()"
             )
         if divide_by_initial_world_size is not True:
-            raise ValueError(
+            raise UnsupportedModuleError(
                 "divide_by_initial_world_size must be True: distune divides gradients before "
                 "the sum, by the initial world size (torch's default); joined ranks add zeros"
             )
@@ -534,7 +543,7 @@ def _refuse_nested(module: nn.Module) -> None:
     for prefix, sub in module.named_modules():
         if isinstance(sub, DistributedDataParallel | torch.nn.parallel.DistributedDataParallel):
             where = f"submodule {prefix!r}" if prefix else "the module"
-            raise ValueError(
+            raise UnsupportedModuleError(
                 f"{where} is already a {type(sub).__module__}.{type(sub).__name__}: nested "
                 "wrappers would average its gradients twice, racing each other. Wrap the bare "
                 "model once (the inner wrapper's .module)"
@@ -547,7 +556,7 @@ def _refuse_sparse(module: nn.Module, ignored: frozenset[str]) -> None:
             name = f"{prefix}.weight" if prefix else "weight"
             if sub.weight.requires_grad and name not in ignored:
                 where = f"submodule {prefix!r}" if prefix else "the module"
-                raise ValueError(
+                raise UnsupportedModuleError(
                     f"{where} is an {type(sub).__name__} with sparse=True: "
                     "distune averages dense gradients only (its buckets are flat dense "
                     "buffers); use sparse=False, or torch's DistributedDataParallel for "

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import distune
 from distune import Hyperparameters
 from distune.algorithms import AsyncModelAverage
+from distune.worker_runtime.distributed import UnsupportedModuleError
 from distune.worker_runtime.reducer import ReductionError
 from distune.worker_runtime.torch_ddp_arguments import TorchDDPArguments, UnsupportedArgumentError
 
@@ -373,7 +374,7 @@ def test_a_parameter_unfrozen_after_wrapping_is_an_error_not_a_local_gradient(wo
 
 def test_join_refuses_model_averaging_algorithms(world):
     model = distune.DistributedDataParallel(mlp(), algorithm=AsyncModelAverage())
-    with pytest.raises(ValueError, match="join\\(\\) cannot shadow AsyncModelAverage"):
+    with pytest.raises(UnsupportedModuleError, match="join\\(\\) cannot shadow AsyncModelAverage"):
         model.join()
     model.finish()
 
@@ -388,9 +389,13 @@ def test_parameters_on_two_devices_are_refused_as_torch_refuses_them(world):
 
 def test_nested_wrappers_are_refused_at_construction(world):
     inner = distune.DistributedDataParallel(mlp(), name="inner")
-    with pytest.raises(ValueError, match=r"submodule '0' is already a .*DistributedDataParallel"):
+    with pytest.raises(
+        UnsupportedModuleError, match=r"submodule '0' is already a .*DistributedDataParallel"
+    ):
         distune.DistributedDataParallel(nn.Sequential(inner, nn.Linear(4, 2)))
-    with pytest.raises(ValueError, match=r"the module is already a torch\.nn\.parallel"):
+    with pytest.raises(
+        UnsupportedModuleError, match=r"the module is already a torch\.nn\.parallel"
+    ):
         distune.DistributedDataParallel(TorchDDP(mlp()))
 
 
