@@ -87,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     level2 = commands.add_parser("level2", parents=[hosts], help="add a level-2 run to a grid")
     level2.add_argument("grid", type=Path)
+    level2.add_argument(
+        "--label", default=None, help="what the table says of this run (e.g. which search)"
+    )
     for command in (measure, level2):  # options go before the positional: the rest is the job's
         command.add_argument("launcher_argv", nargs=argparse.REMAINDER)
     replay = commands.add_parser("replay", help="replay the policies against a grid")
@@ -210,7 +213,7 @@ def main() -> None:
     out = args.grid.parent
     with _Host(args, argv, out).up() as host:
         run = host.level2(f"level2-{len(table.get('level2_runs', [])) + 1}")
-    table.setdefault("level2_runs", []).append({**run, "later": True})
+    table.setdefault("level2_runs", []).append({**run, "later": True, "label": args.label})
     args.grid.write_text(json.dumps(table, indent=1), encoding="utf-8")
     print(compare_table(table))
 

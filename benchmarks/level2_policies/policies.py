@@ -209,6 +209,7 @@ def compare_table(table: dict[str, Any], first_pass: int | None = None) -> str:
     for index, run in enumerate(table.get("level2_runs", []), 1):
         chosen = TrialConfig(*run["chosen"]) if run.get("chosen") else None
         label = "distune-run --autotune_level 2" + (f" (run {index})" if index > 1 else "")
+        label += f", {run['label']}" if run.get("label") else ""
         choices.append(Choice(label, chosen, int(run["trials"]), float(run["seconds"])))
     for choice in choices:
         value = grid.throughput(choice.chosen)

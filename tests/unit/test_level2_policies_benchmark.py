@@ -89,14 +89,16 @@ def test_a_real_level2_run_is_reported_with_its_choice_against_the_grid() -> Non
     measured = table()
     measured["level2_runs"] = [
         {"trials": 5, "seconds": 61.0, "chosen": [16, 1, 3, True]},
-        {"trials": 4, "seconds": 52.0, "chosen": None},
+        {"trials": 4, "seconds": 52.0, "chosen": None, "label": "later"},
     ]
     lines = compare_table(measured).splitlines()
     grid = Grid(measured)
     ratio = grid.throughput(TrialConfig(16, 1, 3, True)) / grid.throughput(grid.best())
     assert lines[-2].startswith("| distune-run --autotune_level 2 | 5 | 61 | zero3, micro-batch")
     assert lines[-2].endswith(f"| {ratio:.2f} |")
-    assert lines[-1] == "| distune-run --autotune_level 2 (run 2) | 4 | 52 | none | - | 0.00 |"
+    assert (
+        lines[-1] == "| distune-run --autotune_level 2 (run 2), later | 4 | 52 | none | - | 0.00 |"
+    )
 
 
 def test_passes_merge_into_one_row_ok_if_any_ran_ok() -> None:

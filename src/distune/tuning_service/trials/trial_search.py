@@ -10,14 +10,20 @@ because a larger micro-batch means fewer accumulation steps and better-used kern
 memory trial prunes its micro-batch and every larger one of the family (and of the same stage
 without checkpointing, which needs more memory still) and the search steps down. A configuration
 that ran near the memory cap may be slowed by it (allocator pressure, smaller kernels
-elsewhere), so from there the search steps down while the smaller micro-batch is faster; so does
-a search for the lowest latency, whose step time may fall with the micro-batch when the global
-batch is free to change. Checkpointing and sharding are tried only where they are predicted to
-fit a larger micro-batch than the cheaper ways already reached (a lower stage, or the same stage
-without checkpointing): recomputation and sharding's extra communication cost time, and pay only
-by making room (DeepSpeed's autotuner stops climbing stages for the same reason). A family whose
-trial crashed, hung or was invalid is given up. Finally the two best configurations are measured
-once more, and the best mean wins.
+elsewhere), so from there the search steps down, and on while the smaller micro-batch is faster
+by more than the two trials' own spread; so does a search for the lowest latency, whose step
+time may fall with the micro-batch when the global batch is free to change. A step down is not
+run where a cheaper family already ran the smaller micro-batch slower than the near-full trial:
+that answers it. Checkpointing and sharding are tried only where they are predicted to fit a
+larger micro-batch than the cheaper ways already reached (a lower stage, or the same stage
+without checkpointing): recomputation and sharding's extra communication cost time, and pay
+only by making room (DeepSpeed's autotuner stops climbing stages for the same reason). The
+exception is the micro-batch where every cheaper family that ran it ran near the cap: there the
+room a more sharded family frees may be what makes it faster, so the next such family gets one
+trial at that micro-batch (once per micro-batch and precision), and goes on only if it was
+faster. A family whose trial crashed, hung or was invalid is given up. Finally the two best
+configurations are measured once more (only those two: a drift of the machine's load between
+trials would otherwise chase every configuration measured once), and the best mean wins.
 """
 
 from __future__ import annotations
