@@ -73,6 +73,27 @@ def trimmed_count(n: int) -> int:
     return max(1, n // 5) if n >= 3 else 0
 
 
+def trimmed_variance_factor(n: int) -> float:
+    """The variance of the trimmed mean of ``n`` windows (:func:`robust_throughput`) over the
+    variance of their plain mean, for normal noise: what trimming costs in precision, to be
+    charged wherever a score's uncertainty is computed from the windows' noise.
+
+    The asymptotic variance of a mean trimmed by ``g`` at each end, ``g = k / n``, over that of
+    the mean: the variance of the noise winsorized at its ``g`` and ``1 - g`` quantiles over
+    ``(1 - 2g)**2`` (Tukey and McLaughlin; Yuen's standard error). About 1.14 for the 20 %
+    trim of many windows; 1.29 for the median of three (1.35 exactly); 1 for two or fewer.
+    """
+    k = trimmed_count(n)
+    if k == 0:
+        return 1.0
+    g = k / n
+    normal = statistics.NormalDist()
+    c = normal.inv_cdf(1.0 - g)
+    # E[X^2; |X| < c] for a standard normal, plus the 2g of mass moved to +-c.
+    inner = (2.0 * normal.cdf(c) - 1.0) - 2.0 * c * normal.pdf(c)
+    return (inner + 2.0 * g * c * c) / (1.0 - 2.0 * g) ** 2
+
+
 def robust_throughput(rates: Sequence[float]) -> float:
     """The trimmed mean of ``rates`` (see the module's docstring); needs at least one rate."""
     if not rates:

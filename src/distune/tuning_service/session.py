@@ -30,7 +30,13 @@ from distune.space import FixedKnobs, Hyperparameters, ModelFacts, SearchSpace
 from distune.tuning_service.config import TuningConfig
 from distune.tuning_service.messages import Report, RequestError
 from distune.tuning_service.optimizer import GroupOptimizer
-from distune.tuning_service.score import Window, bounded, robust_throughput, split_stalls
+from distune.tuning_service.score import (
+    Window,
+    bounded,
+    robust_throughput,
+    split_stalls,
+    trimmed_variance_factor,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -307,6 +313,7 @@ class TuningSession:
         self._retunes = 0
         self._drift_seconds = 0.0
         self._after_default: list[Hyperparameters] = []
+        self._close_calling = False
         self.stale_reports = 0
         self.view = self._make_view()
 
@@ -510,28 +517,37 @@ class TuningSession:
             if len(means) >= 2:
                 centre = statistics.fmean(m for m, _ in means)
                 for mean, count in means:
-                    excess += (mean - centre) ** 2 - window_sigma**2 / count
+                    noise = window_sigma**2 * trimmed_variance_factor(count) / count
+                    excess += (mean - centre) ** 2 - noise
                 freedom += len(means) - 1
         return math.sqrt(max(0.0, excess / freedom)) if freedom else 0.0
 
     def _gain_interval(
-        self, windows: list[Window], score: float, samples: int = 1
+        self, windows: list[Window], score: float, samples: int = 1, comparisons: int = 1
     ) -> tuple[float, tuple[float, float]] | None:
         """The gain over the default group of a group scored ``score`` from ``windows`` (of
         ``samples`` samples), and its ``gain_confidence`` interval: the difference of the two
-        log scores, with the pooled window noise over each side's window count and the
-        samples' own spread over each side's sample count (None before the default has a
-        score to compare with)."""
+        log scores, with the pooled window noise over each side's window count (times what
+        the trimmed mean costs, :func:`trimmed_variance_factor`) and the samples' own spread
+        over each side's sample count (None before the default has a score to compare with).
+
+        ``comparisons``: the group was chosen as the best of this many candidates, each with
+        its own interval; each is then widened to ``1 - (1 - gain_confidence) / comparisons``
+        (Bonferroni), so that all of them, and so the chosen one's, hold the true gains with
+        at least ``gain_confidence`` however the choice fell."""
         default = self._measurements.get(self.space.default)
         if default is None or not windows:
             return None
         delta = math.log(score) - math.log(default.score)
         if windows is default.windows:
             return 0.0, (0.0, 0.0)
-        z = statistics.NormalDist().inv_cdf((1.0 + self.config.gain_confidence) / 2.0)
+        miss = (1.0 - self.config.gain_confidence) / max(1, comparisons)
+        z = statistics.NormalDist().inv_cdf(1.0 - miss / 2.0)
         window_sigma = self._window_sigma()
         sample_sigma = self._sample_sigma(window_sigma)
-        variance = window_sigma**2 * (1.0 / len(windows) + 1.0 / len(default.windows))
+        variance = window_sigma**2 * sum(
+            trimmed_variance_factor(len(side)) / len(side) for side in (windows, default.windows)
+        )
         variance += sample_sigma**2 * (1.0 / samples + 1.0 / max(1, default.samples))
         half = z * math.sqrt(variance)
         return math.expm1(delta), (math.expm1(delta - half), math.expm1(delta + half))
@@ -539,9 +555,13 @@ class TuningSession:
     def _sample_complete(self) -> bool:
         sample, config = self._sample, self.config
         length = config.sampling_confidence_time
+        windows = config.min_windows
         if sample.close_call:
+            # Longer in windows too: the interval narrows with the windows' count, and a model
+            # whose iterations outlast the sampling time gets a few windows a sample whatever it.
             length *= config.close_call_time
-        return sample.seconds >= length and sample.reports >= config.min_windows
+            windows = math.ceil(windows * config.close_call_time)
+        return sample.seconds >= length and sample.reports >= windows
 
     def _set_stalls_aside(self) -> None:
         """Drop the current sample's stalled windows (see :func:`split_stalls`), compared with
@@ -621,10 +641,12 @@ class TuningSession:
         when the budget runs out after confirmations knocked the leaders down, such a group
         must not win over one whose score has survived a second look. Its score and gain are
         those of its confirming samples once it has any (the winner's curse, see
-        :class:`_Measurements`)."""
+        :class:`_Measurements`). Those are a choice too, the best of the candidates' pooled
+        scores: its interval allows for the other candidates it was chosen over."""
         default = self.space.default
         confirmed = {hp: m for hp, m in self._measurements.items() if m.samples >= 2}
         candidates = confirmed or self._measurements
+        comparisons = sum(hp != default for hp in candidates)
         hp, measured = max(candidates.items(), key=lambda item: item[1].score)
         group = self._latest_group(hp)
         windows = measured.confirming if measured.confirming and hp != default else None
@@ -633,21 +655,21 @@ class TuningSession:
         else:
             samples = measured.samples - 1
         score = robust_throughput([w.rate for w in windows])
-        gain = self._gain_interval(windows, score, samples)
+        gain = self._gain_interval(windows, score, samples, comparisons)
         assert gain is not None  # the default group is measured first
         return Best(group, score, gain[0], _half_width(gain[1]), gain[1])
 
     def _close_call(self, hp: Hyperparameters) -> bool:
         """Whether a confirmation of ``hp`` runs ``close_call_time`` times as long: one of the
         best group (its gain is claimed from its confirming samples alone), or of the default
-        while the best's gain is not measurable. The budget counts samples, and a sample of
-        the best group costs nothing while tuning."""
+        while the best's gain is not measurable (or was not, when the close call began). The
+        budget counts samples, and a sample of the best group costs nothing while tuning."""
         best = self._best
         if best is None or best.group.hyperparameters == self.space.default:
             return False
         if hp == best.group.hyperparameters:
             return True
-        return hp == self.space.default and not best.measurably_faster
+        return hp == self.space.default and (self._close_calling or not best.measurably_faster)
 
     def _latest_group(self, hp: Hyperparameters) -> Group:
         if self._group.hyperparameters == hp:
@@ -722,12 +744,17 @@ class TuningSession:
         # unconfirmed. Contenders are confirmed best first, so the winner is confirmed first.
         last = 1 if self.config.confirm_top else 0
         # And the default's one sample, first after warmup, is measured again before a group
-        # is chosen over it: the choice rests on the comparison of the two.
+        # is chosen over it: the choice rests on the comparison of the two, so that sample
+        # goes before a runner-up's confirmation (never before the best group's own).
         assert self._best is not None
-        if last and self._best.group.hyperparameters != self.space.default:
-            last += self._measurements[self.space.default].samples < 2
+        best = self._best.group.hyperparameters
+        default_again = 0
+        if last and best != self.space.default:
+            default_again = int(self._measurements[self.space.default].samples < 2)
+        last += default_again
         may_explore = remaining > max(last, len(to_confirm))
-        if to_confirm and remaining > 0 and (self._converged or not may_explore):
+        room = remaining > default_again or (remaining > 0 and to_confirm[:1] == [best])
+        if to_confirm and room and (self._converged or not may_explore):
             return to_confirm[0], Phase.CONFIRM
         if self._converged or not may_explore:
             return self._default_to_confirm(remaining)
@@ -764,10 +791,14 @@ class TuningSession:
             return None
         if self._measurements[default].samples < 2:
             return default, Phase.CONFIRM
-        if not self._best.measurably_faster:
-            # Too close to call: while budget remains, measure whichever of the two has fewer
-            # windows, narrowing the interval, rather than complete on a gain within the noise.
-            # The best group's gain is claimed from its confirming windows only.
+        if self._close_calling or not self._best.measurably_faster:
+            # Too close to call: measure whichever of the two has fewer windows, narrowing the
+            # interval, rather than complete on a gain within the noise. The best group's gain
+            # is claimed from its confirming windows only. Once begun, this runs to the end of
+            # the budget and the interval is looked at once, there: stopping at the first
+            # sample whose interval clears zero would pick the luckiest of many looks, and
+            # both the claim and the choice over the default would be too often wrong.
+            self._close_calling = True
             measured = self._measurements
             windows = {
                 best: len(measured[best].confirming),
@@ -850,6 +881,7 @@ class TuningSession:
         self._measurements = {}
         self._best = None
         self._converged = False
+        self._close_calling = False
         self._verdict = None
         self._drift_seconds = 0.0
         seed = None if self.config.seed is None else self.config.seed + self._retunes

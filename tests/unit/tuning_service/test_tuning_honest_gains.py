@@ -257,6 +257,41 @@ class TestHonestGain:
         assert best.group.hyperparameters == HIERARCHICAL and best.measurably_faster
         assert best.score == pytest.approx(110.0) and best.gain_vs_default == pytest.approx(0.1)
 
+    def test_a_close_call_runs_to_the_end_of_the_budget_and_is_judged_once(self):
+        """Hierarchical is 5% faster, but the default's first sample reads 5% high: the gain
+        is not measurable when the default has been measured again, so the rest of the budget
+        alternates the two. It does not stop at the first sample whose interval clears zero
+        (the luckiest of several looks); it decides once, with all ten samples."""
+        s = session(max_samples=10)
+        swing = [1.0, 1.04, 0.96]
+        count = 0
+        while s.view.state is not State.COMPLETED:
+            hp = s.view.current.hyperparameters
+            level = 105.0 if hp.is_hierarchical_reduce or s.view.samples == 0 else 100.0
+            send(s, level * swing[count % 3])
+            count += 1
+        samples = [r for r in s.view.records if r.phase is not Phase.COMPLETED]
+        assert len(samples) == 10 and [r.phase for r in samples[2:]] == [Phase.CONFIRM] * 8
+        best = s.view.best
+        assert best.group.hyperparameters == HIERARCHICAL and best.measurably_faster
+        assert best.gain_interval[0] < 0.05 < best.gain_interval[1]
+
+    def test_a_close_call_of_slow_iterations_runs_longer_in_windows_too(self):
+        """Iterations of 10 s: a sample's three windows outlast the sampling time five times
+        over, so a close call three times as long in seconds alone would be no longer at
+        all; it runs close_call_time times the windows too."""
+        s = session(max_samples=4, close_call_time=3.0)
+        swing = [1.0, 1.04, 0.96]
+        count = 0
+        while s.view.state is not State.COMPLETED:
+            level = 0.102 if s.view.current.hyperparameters.is_hierarchical_reduce else 0.1
+            send(s, level * swing[count % 3], seconds=10.0)
+            count += 1
+        samples = [r for r in s.view.records if r.phase is not Phase.COMPLETED]
+        assert [r.windows for r in samples[:2]] == [3, 3]  # default, hierarchical: plain
+        assert [r.phase for r in samples[2:]] == [Phase.CONFIRM] * 2
+        assert [r.windows for r in samples[2:]] == [9, 9]  # hierarchical again, the default
+
     def test_a_close_call_re_measures_the_default_longer_a_clear_gain_does_not(self):
         swing = [1.0, 1.04, 0.96]
 

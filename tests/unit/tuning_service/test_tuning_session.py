@@ -304,12 +304,14 @@ def test_an_optimizer_failure_ends_the_search_on_the_best_measured_group(monkeyp
 
 
 def test_a_group_measured_once_cannot_win_over_a_confirmed_one_when_the_budget_runs_out():
-    """Scripted by sample: the 2nd and 3rd groups measure high by luck and are confirmed with
-    the last two samples of the budget; both come down, and the 4th group, measured once (also
-    by luck), now has the highest score. The choice is the best confirmed group instead."""
-    measured = [100.0, 130.0, 128.0, 122.0, 110.0, 105.0]  # the rate of sample 1, 2, ...
+    """Scripted by sample: the 2nd group measures high by luck and is confirmed with the
+    budget's last sample but one; it comes down, and the 3rd and 4th groups, measured once
+    (also by luck), now have higher scores. The last sample measures the default again, not a
+    runner-up: the choice rests on the comparison with it. The choice is the best confirmed
+    group."""
+    measured = [100.0, 130.0, 128.0, 122.0, 110.0, 100.0]  # the rate of sample 1, 2, ...
     # Samples this far apart for one group make a wide interval on the gain: a low confidence
-    # keeps +20% measurable, so the choice shown is the confirmed group's, not the default's.
+    # keeps +10% measurable, so the choice shown is the confirmed group's, not the default's.
     # Confirmations as long as other samples, so the pooled scores below weigh them alike.
     config = TuningConfig(
         max_samples=6,
@@ -323,13 +325,13 @@ def test_a_group_measured_once_cannot_win_over_a_confirmed_one_when_the_budget_r
     while s.view.state is not State.COMPLETED:
         window(s, measured[s.view.samples])
     *samples, final = s.view.records
-    a, b, lucky = (samples[i].group.hyperparameters for i in (1, 2, 3))
+    default, a, b, lucky = (samples[i].group.hyperparameters for i in range(4))
     assert [r.phase for r in samples[4:]] == [Phase.CONFIRM, Phase.CONFIRM]
-    assert [r.group.hyperparameters for r in samples[4:]] == [a, b]
-    # Pooled, a scores 120 (trimmed mean of 130, 130, 110, 110) and b 116.5: below the lucky
-    # group's single 122, which the best score alone would choose.
-    assert samples[3].score == pytest.approx(122.0)
-    assert final.group.hyperparameters == a != lucky
+    assert [r.group.hyperparameters for r in samples[4:]] == [a, default]
+    # Pooled, a scores 120 (trimmed mean of 130, 130, 110, 110): below b's and the lucky
+    # group's single 128 and 122, which the best score alone would choose.
+    assert samples[2].score == pytest.approx(128.0) and samples[3].score == pytest.approx(122.0)
+    assert final.group.hyperparameters == a not in (b, lucky)
     assert s.view.best.group == s.view.current == final.group
     # Its score and gain are its confirming sample's, which chose nothing: 110, +10%.
     assert final.score == pytest.approx(110.0)
