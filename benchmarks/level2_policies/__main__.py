@@ -4,8 +4,9 @@
         [--testbed 1gbit --nodes 2 --nproc-per-node 1] OUT_DIR -- DISTUNE_RUN_ARGS...
     .venv/bin/python -m benchmarks.level2_policies level2 [--testbed ...] OUT_DIR/grid.json \\
         -- DISTUNE_RUN_ARGS...
-    .venv/bin/python -m benchmarks.level2_policies replay OUT_DIR/grid.json
+    .venv/bin/python -m benchmarks.level2_policies replay [--cap-mib N] [--first-pass N] GRID
     .venv/bin/python -m benchmarks.level2_policies memory OUT_DIR/grid.json
+    .venv/bin/python -m benchmarks.level2_policies noise OUT_DIR/grid.json
 
 ``measure`` runs the exhaustive grid of the job's level-2 space as real trials, in passes, and
 with ``--level2`` a real ``distune-run --autotune_level 2 --autotune_mode tune`` of the same job
@@ -13,7 +14,9 @@ between passes (after the only pass if there is one), so all of it is measured s
 with ``--testbed RATE`` every trial and the level-2 run are multi-node jobs on the shaped
 testbed (needs root). ``level2`` adds a later real level-2 run to a measured grid. ``replay``
 runs every policy against the grid and prints the comparison as a Markdown table; ``memory``
-prints the memory model's prediction error on the grid's configurations.
+prints the memory model's prediction error on the grid's configurations; ``noise`` how much a
+configuration's passes differ. ``measure --only zero3:16x1 ...`` measures only the named
+configurations (a noise check).
 """
 
 from __future__ import annotations
@@ -28,9 +31,16 @@ from typing import Any
 
 from torch.distributed.run import determine_local_world_size
 
-from benchmarks.level2_policies.grid import GridMeasurement, Trials, load_average, measure_grid
+from benchmarks.level2_policies.grid import (
+    GridMeasurement,
+    Trials,
+    load_average,
+    measure_grid,
+    parse_config,
+)
 from benchmarks.level2_policies.level2_run import level2_argv, run_level2_local, summarize
 from benchmarks.level2_policies.memory_error import error_summary
+from benchmarks.level2_policies.noise import noise_table
 from benchmarks.level2_policies.policies import compare_table, table_at_cap
 from benchmarks.level2_policies.trial_hosts import LocalTrials, TestbedTrials, testbed_environment
 from benchmarks.testbed.distune_job import run_distune
@@ -68,8 +78,18 @@ def _parser() -> argparse.ArgumentParser:
     measure.add_argument(
         "--level2", action="store_true", help="run level 2 itself between the passes"
     )
+    measure.add_argument(
+        "--only",
+        type=parse_config,
+        action="append",
+        metavar="STRATEGY:MICROxACC[:ckpt][:bf16]",
+        help="measure only this configuration (repeatable): a noise check, not a grid",
+    )
     level2 = commands.add_parser("level2", parents=[hosts], help="add a level-2 run to a grid")
     level2.add_argument("grid", type=Path)
+    level2.add_argument(
+        "--label", default=None, help="what the table says of this run (e.g. which search)"
+    )
     for command in (measure, level2):  # options go before the positional: the rest is the job's
         command.add_argument("launcher_argv", nargs=argparse.REMAINDER)
     replay = commands.add_parser("replay", help="replay the policies against a grid")
@@ -80,8 +100,18 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="replay as if under this smaller cap (MiB; peaks over it are oom)",
     )
+    replay.add_argument(
+        "--first-pass",
+        type=int,
+        default=None,
+        metavar="N",
+        help="policies see single passes (first measurements pass N, re-measures the next) "
+        "instead of the passes' mean",
+    )
     memory = commands.add_parser("memory", help="the memory model's error on a grid")
     memory.add_argument("grid", type=Path)
+    noise = commands.add_parser("noise", help="how much the grid's passes differ")
+    noise.add_argument("grid", type=Path)
     return parser  # fmt: skip
 
 
@@ -142,23 +172,26 @@ class _Host:
 
 def main() -> None:
     args = _parser().parse_args()
-    if args.command in ("replay", "memory"):
+    if args.command in ("replay", "memory", "noise"):
         table = json.loads(args.grid.read_text(encoding="utf-8"))
         if args.command == "memory":
             print(error_summary(table))
+            return
+        if args.command == "noise":
+            print(noise_table(table))
             return
         if args.cap_mib is not None:
             try:
                 table = table_at_cap(table, args.cap_mib * 2**20)
             except ValueError as error:
                 raise SystemExit(f"--cap-mib {args.cap_mib}: {error}") from None
-        print(compare_table(table))
+        print(compare_table(table, args.first_pass))
         return
     argv = [a for a in args.launcher_argv if a != "--"]
     if args.command == "measure":
         args.out.mkdir(parents=True, exist_ok=True)
         with _Host(args, argv, args.out).up() as host:
-            grid = GridMeasurement(argv, host.trials(), host.world_size())
+            grid = GridMeasurement(argv, host.trials(), host.world_size(), args.only)
             runs: list[dict[str, Any]] = []
 
             def between(index: int) -> None:
@@ -174,13 +207,13 @@ def main() -> None:
             if args.level2 and args.passes == 1:
                 runs.append(host.level2("level2-1"))
         save(table)
-        print(compare_table(table))
+        print(noise_table(table) if args.only else compare_table(table))
         return
     table = json.loads(args.grid.read_text(encoding="utf-8"))
     out = args.grid.parent
     with _Host(args, argv, out).up() as host:
         run = host.level2(f"level2-{len(table.get('level2_runs', [])) + 1}")
-    table.setdefault("level2_runs", []).append({**run, "later": True})
+    table.setdefault("level2_runs", []).append({**run, "later": True, "label": args.label})
     args.grid.write_text(json.dumps(table, indent=1), encoding="utf-8")
     print(compare_table(table))
 

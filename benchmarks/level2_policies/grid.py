@@ -19,7 +19,7 @@ from distune.launcher.level2 import model_facts, rewrite_script_args, settings_f
 from distune.launcher.options import parse, trial_pins
 from distune.launcher.trial_runner import TrialRun
 from distune.trial_settings import TrialSettings
-from distune.tuning_service.trials.trial_config import TrialConfig
+from distune.tuning_service.trials.trial_config import STRATEGY_NAMES, TrialConfig
 from distune.tuning_service.trials.trial_result import OK
 from distune.tuning_service.trials.trial_space import TrialSpace
 
@@ -77,6 +77,23 @@ def space_order(space: TrialSpace) -> list[TrialConfig]:
     ]
 
 
+def parse_config(text: str) -> TrialConfig:
+    """``STRATEGY:MICROxACC[:ckpt][:bf16]`` (``zero3:16x1``, ``ddp:8x2:ckpt``) as a config."""
+    parts = text.split(":")
+    names = {name: stage for stage, name in STRATEGY_NAMES.items()}
+    flags = set(parts[2:])
+    try:
+        micro, accumulation = (int(n) for n in parts[1].lower().split("x"))
+        if parts[0] not in names or not flags <= {"ckpt", "bf16"}:
+            raise ValueError
+        return TrialConfig(micro, accumulation, names[parts[0]], "ckpt" in flags, "bf16" in flags)
+    except (IndexError, ValueError):
+        raise ValueError(
+            f"{text!r}: expected STRATEGY:MICROxACC[:ckpt][:bf16], STRATEGY one of "
+            f"{', '.join(names)}, e.g. zero3:16x1 or ddp:8x2:ckpt"
+        ) from None
+
+
 def load_average() -> list[float]:
     """The machine's 1-, 5- and 15-minute load averages."""
     return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
@@ -85,8 +102,16 @@ def load_average() -> list[float]:
 class GridMeasurement:
     """The grid of one job, pass by pass, on the trials it is given."""
 
-    def __init__(self, launcher_argv: list[str], trials: Trials, world_size: int) -> None:
+    def __init__(
+        self,
+        launcher_argv: list[str],
+        trials: Trials,
+        world_size: int,
+        only: list[TrialConfig] | None = None,
+    ) -> None:
         self.launcher_argv = launcher_argv
+        #: Measure only these configurations (a noise check), not the whole space.
+        self.only = only
         self.args, options = parse(launcher_argv)
         self.pins = trial_pins(self.args)
         self.cap = options.autotune_device_memory
@@ -125,6 +150,11 @@ class GridMeasurement:
             self.profile = TrialConfig(**reported)
             space = TrialSpace(self.pins, self.world_size, self.profile)
             self.order = space_order(space)
+            if self.only:
+                unknown = [c.describe() for c in self.only if c not in self.order]
+                if unknown:
+                    raise SystemExit(f"--only: not in the job's space: {'; '.join(unknown)}")
+                self.order = [c for c in self.order if c in self.only]
             self.facts = {
                 **vars(model_facts(profile["measurements"], self.profile)),
                 "profile": list(vars(self.profile).values()),

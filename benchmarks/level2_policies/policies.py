@@ -40,7 +40,9 @@ class Choice:
 class Grid:
     """The measured table: every configuration's one trial."""
 
-    def __init__(self, table: dict[str, Any]) -> None:
+    def __init__(self, table: dict[str, Any], first_pass: int | None = None) -> None:
+        #: Which pass a policy's first measurement of a configuration sees (None: the mean).
+        self.first_pass = first_pass
         self.world_size = int(table["world_size"])
         self.cap = table["cap"]
         facts = dict(table["facts"])
@@ -52,17 +54,29 @@ class Grid:
             self.rows[TrialConfig(*row["config"])] = row
         self.space = TrialSpace(TrialPins(), self.world_size, self.profile)
 
-    def result(self, config: TrialConfig, index: int, purpose: str = "search") -> TrialResult:
-        """The grid's trial of ``config`` as a result numbered ``index``."""
+    def result(
+        self, config: TrialConfig, index: int, purpose: str = "search", measurement: int = 0
+    ) -> TrialResult:
+        """The grid's trial of ``config`` as a result numbered ``index``: its ``measurement``-th
+        measurement is pass ``first_pass + measurement`` (cycling over the passes that ran ok),
+        so a policy sees single trials' noise, and a re-measure a different pass."""
         row = self.profile_row if purpose == "profile" else self.rows[config]
+        ok = [p for p in row.get("passes", []) if p["outcome"] == OK]
+        spreads = [p["throughput_spread"] for p in ok if p.get("throughput_spread") is not None]
+        if self.first_pass is None or not ok:
+            spread = sum(spreads) / len(spreads) if spreads else None
+            measured = {**row, "throughput_spread": spread}
+        else:
+            measured = ok[(self.first_pass + measurement) % len(ok)]
         return TrialResult(
             trial=index,
             config=config,
             world_size=self.world_size,
             outcome=row["outcome"],
             purpose=purpose,
-            throughput=row["throughput"],
-            step_seconds=row["step_seconds"],
+            throughput=measured["throughput"],
+            throughput_spread=measured.get("throughput_spread"),
+            step_seconds=measured["step_seconds"],
             peak_memory_bytes=row["peak_memory_bytes"],
             duration=row["duration"],
         )
@@ -84,8 +98,9 @@ class _Ledger:
         self.grid = grid
         self.results = [grid.result(grid.profile, 0, "profile")]
 
-    def run(self, config: TrialConfig) -> TrialResult:
-        result = self.grid.result(config, len(self.results))
+    def run(self, config: TrialConfig, purpose: str = "search") -> TrialResult:
+        earlier = sum(r.config == config for r in self.results[1:])
+        result = self.grid.result(config, len(self.results), purpose, earlier)
         self.results.append(result)
         return result
 
@@ -99,7 +114,7 @@ def distune_policy(grid: Grid, max_trials: int = 20) -> Choice:
     ledger = _Ledger(grid)
     search.record(ledger.results[0])
     while (proposal := search.next_trial()) is not None:
-        search.record(ledger.run(proposal.config))
+        search.record(ledger.run(proposal.config, proposal.purpose))
     return Choice("distune (replayed)", search.best(), len(ledger.results), ledger.seconds())
 
 
@@ -176,10 +191,11 @@ def _spread(row: dict[str, Any]) -> str:
     return f" ({min(values):.1f}-{max(values):.1f})"
 
 
-def compare_table(table: dict[str, Any]) -> str:
+def compare_table(table: dict[str, Any], first_pass: int | None = None) -> str:
     """The comparison as Markdown: each policy's trials, time, choice and its grid throughput
-    (with the range over the grid's passes), the grid first and real level-2 runs last."""
-    grid = Grid(table)
+    (with the range over the grid's passes), the grid first and real level-2 runs last. The
+    policies see the passes' mean, or with ``first_pass`` single passes (see Grid.result)."""
+    grid = Grid(table, first_pass)
     best = grid.best()
     top = grid.throughput(best)
     grid_seconds = sum(row["duration"] for row in table["rows"])
@@ -193,6 +209,7 @@ def compare_table(table: dict[str, Any]) -> str:
     for index, run in enumerate(table.get("level2_runs", []), 1):
         chosen = TrialConfig(*run["chosen"]) if run.get("chosen") else None
         label = "distune-run --autotune_level 2" + (f" (run {index})" if index > 1 else "")
+        label += f", {run['label']}" if run.get("label") else ""
         choices.append(Choice(label, chosen, int(run["trials"]), float(run["seconds"])))
     for choice in choices:
         value = grid.throughput(choice.chosen)

@@ -150,6 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tuner_quality")
     parser.add_argument("--seeds", type=int, default=20, help="seeds per landscape (default 20)")
     parser.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="the first seed (default 0): a long run split into chunks, each saved with "
+        "--json and joined with --runs",
+    )
+    parser.add_argument(
         "--budgets", default="3,5,7,10,15,20,30,40", help="budgets (samples) every tuner runs at"
     )
     parser.add_argument("--checkpoints", default="5,10,20,40", help="budgets the table shows")
@@ -208,9 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         mine = [t for t in tuners if t.name == "distune"]
         others = [t for t in tuners if t.name != "distune"]
         other_seeds = args.seeds if args.other_seeds is None else args.other_seeds
-        runs = compare(mine, landscapes, args.seeds, budgets, noise, args.jobs) if mine else []
+        first = args.first_seed
+        runs = (
+            compare(mine, landscapes, args.seeds, budgets, noise, args.jobs, first) if mine else []
+        )
         if others:
-            runs += compare(others, landscapes, other_seeds, budgets, noise, args.jobs)
+            runs += compare(others, landscapes, other_seeds, budgets, noise, args.jobs, first)
     elapsed = time.perf_counter() - started
 
     what = f"{args.draw} draw of random clusters" if args.draw else "standard suite"

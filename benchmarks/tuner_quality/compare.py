@@ -122,12 +122,14 @@ def compare(
     budgets: Sequence[int],
     noise: NoiseModel,
     jobs: int = 1,
+    first_seed: int = 0,
 ) -> list[Run]:
-    """Every tuner on every landscape with seeds ``0..seeds-1`` (the same seeds, so the same
-    noise draws where two tuners measure alike) at every budget."""
+    """Every tuner on every landscape with seeds ``first_seed..first_seed+seeds-1`` (the same
+    seeds, so the same noise draws where two tuners measure alike) at every budget."""
     ordered = tuple(sorted(set(budgets)))
+    seed_range = range(first_seed, first_seed + seeds)
     tasks = [
-        (t, ls, ordered, noise, seed) for t in tuners for ls in landscapes for seed in range(seeds)
+        (t, ls, ordered, noise, seed) for t in tuners for ls in landscapes for seed in seed_range
     ]
     if jobs <= 1:
         with threadpool_limits(1):

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from benchmarks.level2_policies.grid import merge_passes
+from benchmarks.level2_policies.grid import merge_passes, parse_config
 from benchmarks.level2_policies.level2_run import level2_argv
+from benchmarks.level2_policies.noise import noise_table
 from benchmarks.level2_policies.policies import (
     Grid,
     compare_table,
@@ -88,14 +89,16 @@ def test_a_real_level2_run_is_reported_with_its_choice_against_the_grid() -> Non
     measured = table()
     measured["level2_runs"] = [
         {"trials": 5, "seconds": 61.0, "chosen": [16, 1, 3, True]},
-        {"trials": 4, "seconds": 52.0, "chosen": None},
+        {"trials": 4, "seconds": 52.0, "chosen": None, "label": "later"},
     ]
     lines = compare_table(measured).splitlines()
     grid = Grid(measured)
     ratio = grid.throughput(TrialConfig(16, 1, 3, True)) / grid.throughput(grid.best())
     assert lines[-2].startswith("| distune-run --autotune_level 2 | 5 | 61 | zero3, micro-batch")
     assert lines[-2].endswith(f"| {ratio:.2f} |")
-    assert lines[-1] == "| distune-run --autotune_level 2 (run 2) | 4 | 52 | none | - | 0.00 |"
+    assert (
+        lines[-1] == "| distune-run --autotune_level 2 (run 2), later | 4 | 52 | none | - | 0.00 |"
+    )
 
 
 def test_passes_merge_into_one_row_ok_if_any_ran_ok() -> None:
@@ -144,3 +147,42 @@ def test_a_smaller_cap_turns_the_configurations_over_it_into_oom() -> None:
         table_at_cap(measured, CAP + 1)
     with pytest.raises(ValueError, match="profile"):
         table_at_cap(measured, peak(PROFILE) - 1)
+
+
+def with_passes(data: dict, second: float) -> dict:
+    """``data`` with two passes a row: the row's own, and one ``second`` times as fast."""
+    rows = []
+    for r in data["rows"]:
+        first = {**r, "throughput_spread": 0.1}
+        other = {**first, "throughput": r["throughput"] and r["throughput"] * second}
+        passes = [first, other]
+        rows.append({**merge_passes(passes), "config": r["config"]})
+    return {**data, "rows": rows}
+
+
+def test_a_replay_on_single_passes_shows_policies_each_pass_in_turn() -> None:
+    grid = Grid(with_passes(table(), 0.5), first_pass=0)
+    config = TrialConfig(4, 4, 1, False)
+    first, again = grid.result(config, 1), grid.result(config, 2, measurement=1)
+    assert first.throughput == pytest.approx(speed(config))
+    assert again.throughput == pytest.approx(0.5 * speed(config))
+    assert first.throughput_spread == 0.1
+    # The mean is what a choice is worth, whatever a policy saw.
+    assert grid.throughput(config) == pytest.approx(0.75 * speed(config))
+    assert Grid(with_passes(table(), 0.5), first_pass=1).result(config, 1).throughput == (
+        pytest.approx(0.5 * speed(config))
+    )
+
+
+def test_configurations_are_named_as_on_the_command_line() -> None:
+    assert parse_config("zero3:16x1") == TrialConfig(16, 1, 3, False)
+    assert parse_config("ddp:8x2:ckpt:bf16") == TrialConfig(8, 2, 0, True, True)
+    with pytest.raises(ValueError, match="expected STRATEGY:MICROxACC"):
+        parse_config("zero4:16x1")
+
+
+def test_the_noise_table_gives_each_configurations_range_over_its_passes() -> None:
+    text = noise_table(with_passes(table(), 0.8))
+    assert "| zero1, micro-batch 4 x 4 | " in text
+    # Every row differs by 20 % of the first pass: (1 - 0.8) / 0.9 of the mean.
+    assert "range / mean at the median 22%, largest 22%" in text

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from benchmarks.tuner_quality.__main__ import main
 from benchmarks.tuner_quality.compare import (
+    Run,
     budget_to_good,
     compare,
     gain_claim_table,
@@ -175,3 +176,18 @@ def test_runs_saved_by_separate_processes_make_one_table(
     out = capsys.readouterr().out
     assert "2 landscapes x 3 seeds (grid 1)" in out
     assert "| random | 5 |" in out and "| grid | 8 |" in out
+
+
+def test_a_run_split_into_seed_chunks_is_the_same_as_one_run() -> None:
+    """``--first-seed``: seeds 0-1 and 2-3 run apart give the runs of seeds 0-3 run at once."""
+    landscapes = draw(TRAINING_SEED, 2)
+    whole = compare([RandomSearch()], landscapes, 4, [5], NoiseModel())
+    first, second = (
+        compare([RandomSearch()], landscapes, 2, [5], NoiseModel(), first_seed=s) for s in (0, 2)
+    )
+    assert {run.seed for run in second} == {2, 3}
+    assert sorted(first + second, key=_by_seed) == sorted(whole, key=_by_seed)
+
+
+def _by_seed(run: Run) -> tuple[str, int]:
+    return run.landscape, run.seed

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from distune.cli import CommandError
+from distune.cli.chosen_marker import mark_chosen
 from distune.wording import RATE_UNIT, describe_hyperparameters, format_gain, format_rate
 
 if TYPE_CHECKING:
@@ -116,16 +117,7 @@ def _draw_model(axes: Axes, run: ModelRun) -> None:
             choice["bucket_size_2p"], choice["is_hierarchical_reduce"]
         )
         gain = format_gain(choice["gain_vs_default"])
-        axes.scatter(
-            [choice["train_iter"]],
-            [choice["score"]],
-            marker="*",
-            s=260,
-            color="gold",
-            edgecolors="black",
-            zorder=5,
-            label=f"chosen: {chosen}",
-        )
+        mark_chosen(axes, choice["train_iter"], choice["score"], f"chosen: {chosen}")
         title += f", chose {chosen}: {format_rate(choice['score'])}, {gain} vs default"
     elif run.source == "bagua":
         title += " (Bagua log: first row as the default, no choice recorded)"

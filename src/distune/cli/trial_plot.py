@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from distune.cli.chosen_marker import mark_chosen
 from distune.tuning_service.trials.trial_config import STRATEGY_NAMES
 from distune.tuning_service.trials.trial_result import OK, THROUGHPUT, TrialResult
 from distune.tuning_service.trials.trial_search import ranking
@@ -96,16 +97,7 @@ def _draw_throughput(axes: Axes, trials: list[TrialResult]) -> None:
     heading = f"{len(trials)} trials"
     if chosen is not None:
         trial, mean = chosen
-        axes.scatter(
-            [trial.trial],
-            [mean],
-            marker="*",
-            s=260,
-            color="gold",
-            edgecolors="black",
-            zorder=5,
-            label=f"best: {trial.config.describe()}",
-        )
+        mark_chosen(axes, trial.trial, mean, f"best: {trial.config.describe()}")
         heading += f"; best {trial.config.describe()}, {mean:.4g} samples/s (mean)"
     axes.set_title(heading, fontsize=9)
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from distune.errors import DistuneError
 from distune.space import Hyperparameters
 from distune.worker_runtime.algorithms import Algorithm, GradientAllReduce
 from distune.worker_runtime.algorithms.base import ModelAverager
@@ -44,6 +45,14 @@ from distune.worker_runtime.trial_measurement import measure_wrapper_in_trial
 from distune.worker_settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
+
+
+class UnsupportedModuleError(DistuneError, ValueError):
+    """A module, or a use of it, that torch's DDP accepts but distune cannot average as torch
+    does (sparse embeddings, a DDP wrapper nested inside, ``join()`` under a model-averaging
+    algorithm or with ``divide_by_initial_world_size=False``); the message names it and the
+    way out."""
+
 
 #: What is not pickled (process groups, hooks, threads): rebuilt by ``__setstate__``.
 _RUNTIME = (
@@ -68,10 +77,15 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     Args:
         module: the model; all its parameters on one device (CPU or one GPU).
-        device_ids, output_device, dim, broadcast_buffers, init_sync, process_group,
-        bucket_cap_mb, find_unused_parameters, check_reduction, gradient_as_bucket_view,
-        static_graph: torch DDP's, in torch's order: see :mod:`.torch_ddp_arguments` for what
-            each does here.
+        *args, **kwargs: torch DDP's arguments, positional in torch's order or by keyword, as
+            the installed torch's ``DistributedDataParallel`` takes them (``device_ids``,
+            ``output_device``, ``dim``, ``broadcast_buffers``, ``init_sync``,
+            ``process_group``, ``bucket_cap_mb``, ``find_unused_parameters``,
+            ``check_reduction``, ``gradient_as_bucket_view``, ``static_graph``, then torch
+            2.13's ``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``,
+            ``device_mesh``, ``skip_all_reduce_unused_params``, ``batched_grad_copy``,
+            ``forward_sync_buffers``): see :mod:`.torch_ddp_arguments` for what each does here
+            and which are refused (``mixed_precision``, ``bucket_cap_mb_list``).
         name: the model's name for the tuning service (1-64 of ``[A-Za-z0-9._-]``); give each
             wrapped model of a job its own.
         bucket_size: pin the bucket size (bytes, rounded to a power of two); not tuned.
@@ -81,6 +95,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             are tuned; the algorithm itself never changes. A copy of the wrapper (pickle,
             ``deepcopy``) averages gradients with ``GradientAllReduce``.
 
+    Parameters and buffers named in ``module._ddp_params_and_buffers_to_ignore`` (torch's
+    ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``) are neither
+    averaged nor broadcast, as in torch.
+
     Under ``distune-run --autotune_level 1`` (``DISTUNE_SERVICE_URL`` set), the model tunes
     itself: see :mod:`distune.worker_runtime.sync`. Otherwise it keeps its starting group.
     """
@@ -88,56 +106,31 @@ class DistributedDataParallel(nn.Module, Joinable):
     def __init__(
         self,
         module: nn.Module,
-        device_ids: Sequence[int | str | torch.device] | None = None,
-        output_device: int | str | torch.device | None = None,
-        dim: int = 0,
-        broadcast_buffers: bool = True,
-        init_sync: bool = True,
-        process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float | None = None,
-        find_unused_parameters: bool = False,
-        check_reduction: bool = False,
-        gradient_as_bucket_view: bool = False,
-        static_graph: bool = False,
-        *,
+        *args: Any,
         name: str = "model0",
         bucket_size: int | None = None,
         hierarchical: bool | None = None,
         algorithm: Algorithm | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
-        named = _trainable(module)
+        ignored = _ignored_names(module)
+        named = _trainable(module, ignored)
         check_model_name(name)
         if hierarchical is not None and not isinstance(hierarchical, bool):
             raise TypeError(f"hierarchical must be True, False or None, got {hierarchical!r}")
         #: The algorithm keeping the ranks' models in step.
         self.algorithm = algorithm = _checked_algorithm(algorithm)
-        arguments = TorchDDPArguments.check(
-            [p for _, p in named],
-            device_ids=device_ids,
-            output_device=output_device,
-            dim=dim,
-            broadcast_buffers=broadcast_buffers,
-            init_sync=init_sync,
-            bucket_cap_mb=bucket_cap_mb,
-            bucket_size=bucket_size,
-            flags={
-                "find_unused_parameters": find_unused_parameters,
-                "check_reduction": check_reduction,
-                "gradient_as_bucket_view": gradient_as_bucket_view,
-                "static_graph": static_graph,
-            },
-        )
+        arguments = TorchDDPArguments.bind(module, args, kwargs, [p for _, p in named], bucket_size)
         self.module = module
         self.name = name
         #: torch's group the gradients are averaged over (``None`` only in a copy loaded
         #: where torch.distributed is not initialized).
-        if process_group is None:
-            process_group = _default_process_group()
-        self.process_group: dist.ProcessGroup | None = process_group
+        self.process_group: dist.ProcessGroup | None = arguments.process_group
+        process_group = arguments.process_group
         self.device = arguments.device
-        self.broadcast_buffers = arguments.broadcast_buffers
+        self._set_torch_attributes(arguments, ignored)
         #: torch DDP's flag: False inside :meth:`no_sync`.
         self.require_backward_grad_sync = True
         backend = str(dist.get_backend(process_group))
@@ -148,7 +141,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         start = self._plan_start(named, arguments.bucket_size, hierarchical, settings)
         hyperparameters = agree_on_model(process_group, named, start.space.default)
         if arguments.init_sync:
-            broadcast_module_state(module, process_group)
+            broadcast_module_state(self._state_tensors(arguments.init_sync_buffers), process_group)
         process_groups = (
             HierarchicalProcessGroups.build(self.topology, process_group)
             if self.topology.hierarchical_possible
@@ -163,6 +156,40 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._log_start(len(named), start, tuning)
         # A level-2 trial of a script that never calls distune.prepare is measured here.
         measure_wrapper_in_trial(self, module, self._runtime())
+
+    def _set_torch_attributes(self, arguments: TorchDDPArguments, ignored: frozenset[str]) -> None:
+        """The attributes torch's DDP has, with the values torch would give them."""
+        values = arguments.values
+        self.device_ids = arguments.device_ids
+        self.output_device = arguments.output_device
+        self.dim: int = values.get("dim", 0)
+        self.find_unused_parameters: bool = values.get("find_unused_parameters", False)
+        self.gradient_as_bucket_view: bool = values.get("gradient_as_bucket_view", False)
+        self.static_graph: bool = values.get("static_graph", False)
+        #: Whether buffers are broadcast before each forward that averages (torch 2.13's name;
+        #: ``broadcast_buffers`` reads and sets it too).
+        self.forward_sync_buffers = arguments.forward_sync_buffers
+        #: Names of the parameters and buffers neither averaged nor broadcast.
+        self.parameters_to_ignore = set(ignored)
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """torch's older name of :attr:`forward_sync_buffers`."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    def _state_tensors(self, buffers: bool) -> list[torch.Tensor]:
+        """The parameters (and buffers if ``buffers``) copied between ranks: all but ignored."""
+        ignored = self.parameters_to_ignore
+        tensors: list[torch.Tensor] = [
+            p for n, p in self.module.named_parameters() if n not in ignored
+        ]
+        if buffers:
+            tensors += [b for n, b in self.module.named_buffers() if n not in ignored]
+        return tensors
 
     def _plan_start(
         self,
@@ -219,8 +246,11 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._comm_device,
             self.module,
             exchange,
+            frozenset(self.parameters_to_ignore),
         )
-        self._buffer_broadcast: BufferBroadcast | None = BufferBroadcast(self.module, process_group)
+        self._buffer_broadcast: BufferBroadcast | None = BufferBroadcast(
+            self.module, process_group, frozenset(self.parameters_to_ignore)
+        )
         self._sync: SyncPoints | None = None
         self._name_claim: object | None = None
 
@@ -345,9 +375,12 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module; gradients of the coming backward are averaged unless the
-        forward ran under :meth:`no_sync`."""
+        forward ran under :meth:`no_sync`. A second backward through this forward's output,
+        after its gradients were averaged, raises (see :meth:`.Reducer.watch`)."""
+        watched = None
         if torch.is_grad_enabled():
             reducer = self._runtime()
+            reducer.check_module(self.module)
             if self._averager is not None:
                 self._averager.before_forward()
             averages = self.require_backward_grad_sync
@@ -360,7 +393,12 @@ class DistributedDataParallel(nn.Module, Joinable):
             if averages and self.broadcast_buffers and self._buffer_broadcast is not None:
                 self._buffer_broadcast(source)
             reducer.prepare_for_forward(self.require_backward_grad_sync)
-        return self.module(*args, **kwargs)
+            if self.require_backward_grad_sync:
+                watched = reducer
+        output = self.module(*args, **kwargs)
+        if watched is not None:
+            watched.watch(output)
+        return output
 
     def join(
         self,
@@ -369,7 +407,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         throw_on_early_termination: bool = False,
     ) -> Join:
         """torch DDP's context manager for uneven inputs: see :mod:`.join`."""
-        _check_divide(divide_by_initial_world_size)
+        self._check_joinable(divide_by_initial_world_size)
         return Join(
             [self],
             enable,
@@ -379,8 +417,27 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The hook ``torch.distributed.algorithms.join.Join`` runs on a joined rank."""
-        _check_divide(kwargs.get("divide_by_initial_world_size", True))
+        self._check_joinable(kwargs.get("divide_by_initial_world_size", True))
         return DistributedDataParallelJoinHook(self)
+
+    def _check_joinable(self, divide_by_initial_world_size: object) -> None:
+        if self._averager is not None:
+            raise UnsupportedModuleError(
+                f"join() cannot shadow {self.algorithm!r}: its weight exchanges run at "
+                "forwards, which a rank out of inputs has none of. Give every rank the same "
+                "number of batches (e.g. DistributedSampler(drop_last=True)), or use a "
+                "gradient algorithm (GradientAllReduce, LowPrecision) with join()"
+            )
+        if divide_by_initial_world_size is not True:
+            raise UnsupportedModuleError(
+                "divide_by_initial_world_size must be True: distune divides gradients before "
+                "the sum, by the initial world size (torch's default); joined ranks add zeros"
+            )
+
+    def _set_static_graph(self) -> None:
+        """torch's way to declare a static graph after construction: nothing to do here, as
+        with ``static_graph=True`` (the bucket order is learned from the first backward)."""
+        self.static_graph = True
 
     @property
     def join_device(self) -> torch.device:
@@ -406,6 +463,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # A copy saved before torch 2.13's names: broadcast_buffers was an attribute.
+        state.setdefault("forward_sync_buffers", state.pop("broadcast_buffers", True))
+        state.setdefault("parameters_to_ignore", set())
         super().__setstate__(state)
         self.process_group = None
         self._reducer = self._sync = self._name_claim = None
@@ -415,7 +475,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.process_group = _default_process_group()
             saved: Hyperparameters = state["_saved_hyperparameters"]
             self._attach_runtime(
-                _trainable(self.module), Hyperparameters(saved.bucket_size_2p, False), None
+                _trainable(self.module, frozenset(self.parameters_to_ignore)),
+                Hyperparameters(saved.bucket_size_2p, False),
+                None,
             )
 
     def _process_group(self) -> dist.ProcessGroup:
@@ -435,28 +497,71 @@ class DistributedDataParallel(nn.Module, Joinable):
 
 
 def _default_process_group() -> dist.ProcessGroup:
-    # torch types WORLD as optional: None before init_process_group, which _trainable checks.
+    # torch types WORLD as optional: None before init_process_group, checked before this.
     world = dist.group.WORLD
     assert world is not None
     return world
 
 
-def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+def _ignored_names(module: nn.Module) -> frozenset[str]:
+    """Names torch's ``_set_params_and_buffers_to_ignore_for_model`` set on ``module``."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    return frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+
+
+def _trainable(module: nn.Module, ignored: frozenset[str]) -> list[tuple[str, nn.Parameter]]:
+    """The parameters averaged: trainable and not ignored, each once (shared ones too).
+
+    Refused here, before any collective, as torch refuses them: a module with nothing to
+    average, uninitialized (lazy) parameters, and sparse embeddings (distune's buckets are
+    dense)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "distune.DistributedDataParallel needs torch.distributed to be initialized: call "
             "torch.distributed.init_process_group(backend='gloo' or 'nccl') first "
             "(distune-run and torchrun set the environment it reads)"
         )
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored]
+    lazy = [n for n, p in named if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise RuntimeError(
+            f"parameters {lazy[:5]} are uninitialized (lazy modules): run a forward through "
+            "the module once before wrapping it, as torch DDP requires"
+        )
+    _refuse_sparse(module, ignored)
+    _refuse_nested(module)
     if not named:
         raise ValueError(
             "the module has no parameter that requires a gradient: there is nothing to "
             "average, so it needs no DistributedDataParallel"
         )
     return named
+
+
+def _refuse_nested(module: nn.Module) -> None:
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, DistributedDataParallel | torch.nn.parallel.DistributedDataParallel):
+            where = f"submodule {prefix!r}" if prefix else "the module"
+            raise UnsupportedModuleError(
+                f"{where} is already a {type(sub).__module__}.{type(sub).__name__}: nested "
+                "wrappers would average its gradients twice, racing each other. Wrap the bare "
+                "model once (the inner wrapper's .module)"
+            )
+
+
+def _refuse_sparse(module: nn.Module, ignored: frozenset[str]) -> None:
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, nn.Embedding | nn.EmbeddingBag) and sub.sparse:
+            name = f"{prefix}.weight" if prefix else "weight"
+            if sub.weight.requires_grad and name not in ignored:
+                where = f"submodule {prefix!r}" if prefix else "the module"
+                raise UnsupportedModuleError(
+                    f"{where} is an {type(sub).__name__} with sparse=True: "
+                    "distune averages dense gradients only (its buckets are flat dense "
+                    "buffers); use sparse=False, or torch's DistributedDataParallel for "
+                    "sparse gradients"
+                )
 
 
 def _checked_algorithm(algorithm: Algorithm | None) -> Algorithm:
@@ -468,11 +573,3 @@ def _checked_algorithm(algorithm: Algorithm | None) -> Algorithm:
             f"Decentralized, AsyncModelAverage), got {algorithm!r}"
         )
     return algorithm
-
-
-def _check_divide(divide_by_initial_world_size: object) -> None:
-    if divide_by_initial_world_size is not True:
-        raise ValueError(
-            "divide_by_initial_world_size must be True: distune divides gradients before the "
-            "sum, by the initial world size (torch's default); joined ranks add zeros"
-        )

@@ -12,6 +12,9 @@ world size (torch's default, ``divide_by_initial_world_size=True``): the joined 
 
 When every rank has joined, the post hook copies the parameters and buffers of the last rank
 to join to all ranks (torch DDP does the same), so every rank ends with the same model.
+
+A model-averaging algorithm (``Decentralized``, ``AsyncModelAverage``) runs collectives of its
+own before forwards that a joined rank could not shadow: ``join()`` refuses it.
 """
 
 from __future__ import annotations
@@ -57,17 +60,18 @@ class DistributedDataParallelJoinHook(JoinHook):
         averages, source = forward_agreement(process_group, model.join_device, None)
         if not averages:
             return  # a forward under no_sync: nothing else is collective
-        if model.broadcast_buffers and model._buffer_broadcast is not None:
+        if model.forward_sync_buffers and model._buffer_broadcast is not None:
             model._buffer_broadcast(source)
         model._runtime().shadow_backward()
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        """Copy the last joiner's parameters and buffers to every rank."""
+        """Copy the last joiner's parameters (and buffers, where forwards broadcast them) to
+        every rank, ignored ones left out: torch's rule."""
         model = self._model
         process_group = model.join_process_group
         _, source = forward_agreement(
             process_group, model.join_device, True if is_last_joiner else None
         )
-        tensors = [*model.module.parameters(), *model.module.buffers()]
+        tensors = model._state_tensors(model.forward_sync_buffers)
         src = dist.get_global_rank(process_group, source)
         broadcast_tensors(tensors, process_group, src)

@@ -1,5 +1,6 @@
 """Copying rank 0's parameters and buffers to every rank: at construction, and buffers before
-each forward that averages (torch DDP's ``broadcast_buffers=True``).
+each forward that averages (torch DDP's ``forward_sync_buffers=True``, formerly
+``broadcast_buffers``).
 
 Tensors are broadcast a few large flat tensors at a time (one per dtype and device, at most
 :data:`BROADCAST_CHUNK_BYTES` each) rather than one collective per tensor.
@@ -53,24 +54,33 @@ def broadcast_tensors(
                 offset += tensor.numel()
 
 
-def broadcast_module_state(module: nn.Module, process_group: dist.ProcessGroup) -> None:
-    """Copy the group's rank 0's parameters and buffers to every rank (at construction)."""
+def broadcast_module_state(
+    tensors: Sequence[torch.Tensor], process_group: dist.ProcessGroup
+) -> None:
+    """Copy the group's rank 0's ``tensors`` (the module's parameters, and buffers unless
+    torch's rule leaves them out) to every rank (at construction)."""
     if dist.get_world_size(process_group) > 1:
-        tensors = [*module.parameters(), *module.buffers()]
         broadcast_tensors(tensors, process_group, dist.get_global_rank(process_group, 0))
 
 
 class BufferBroadcast:
     """Broadcasts the module's buffers from one rank before a forward, as torch DDP's
-    ``broadcast_buffers=True`` does: running statistics (batch norm) stay those of rank 0."""
+    ``forward_sync_buffers=True`` does: running statistics (batch norm) stay those of rank 0.
+    Buffers named in ``ignored`` stay each rank's own."""
 
-    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup) -> None:
+    def __init__(
+        self, module: nn.Module, process_group: dist.ProcessGroup, ignored: frozenset[str]
+    ) -> None:
         self._module = module
+        self._ignored = ignored
         self._process_group = process_group
         self._rank0 = dist.get_global_rank(process_group, 0)
         self.needed = dist.get_world_size(process_group) > 1 and any(
-            b.numel() > 0 for b in module.buffers()
+            b.numel() > 0 for b in self._buffers()
         )
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return [b for n, b in self._module.named_buffers() if n not in self._ignored]
 
     def __call__(self, src_group_rank: int = 0) -> None:
         """Broadcast from group rank ``src_group_rank`` (rank 0 unless it has joined)."""
@@ -81,4 +91,4 @@ class BufferBroadcast:
                 else dist.get_global_rank(self._process_group, src_group_rank)
             )
             # Buffers are read each time: a buffer replaced by assignment is still broadcast.
-            broadcast_tensors(list(self._module.buffers()), self._process_group, src)
+            broadcast_tensors(self._buffers(), self._process_group, src)

@@ -13,9 +13,10 @@ the rules and the reasons; they are written there once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -31,6 +32,10 @@ from distune.worker_runtime.topology import HierarchicalProcessGroups
 
 #: Gradients of at least this many elements are divided while copied into their bucket.
 FUSED_DIVISION_MIN_NUMEL = 4096
+
+#: The attribute of a bucket's flat tensor holding its reducer, weakly: a gradient that is a
+#: view of another reducer's bucket tells whose it is.
+_OWNER = "_distune_reducer"
 
 
 class ReductionError(DistuneError, RuntimeError):
@@ -106,6 +111,28 @@ def _on_grad_ready(reducer_ref: weakref.ref[Reducer], index: int, param: torch.T
         reducer._grad_ready(index)
 
 
+def _on_output_grad(
+    reducer_ref: weakref.ref[Reducer], iterations_at_forward: int, grad: torch.Tensor
+) -> None:
+    reducer = reducer_ref()
+    if reducer is not None:
+        reducer._output_reached(iterations_at_forward)
+
+
+def _tensors_in(output: Any) -> list[torch.Tensor]:
+    """The tensors in a forward's output: nested in lists, tuples, mappings (Hugging Face's
+    ``ModelOutput`` is one) and dataclasses, as torch DDP finds them."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, list | tuple):
+        return [t for item in output for t in _tensors_in(item)]
+    if isinstance(output, Mapping):
+        return [t for item in output.values() for t in _tensors_in(item)]
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        return [t for f in dataclasses.fields(output) for t in _tensors_in(getattr(output, f.name))]
+    return []
+
+
 def _release(handles: list[Any], hierarchical: _HierarchicalAllreduce | None) -> None:
     for handle in handles:
         handle.remove()
@@ -148,7 +175,10 @@ class Reducer:
     flat, which it is equivalent to, and :attr:`hyperparameters` says flat). ``device`` is where
     small collectives run (CUDA for NCCL). ``module``, when given, is the module ``params`` came
     from: if it later holds a trainable parameter the reducer does not average (a submodule
-    replaced after wrapping), the next backward that leaves a parameter without gradient raises.
+    replaced after wrapping), the next backward that leaves a parameter without gradient raises;
+    so does the next averaged backward after a parameter frozen at construction is unfrozen.
+    ``ignored`` names the module's parameters that are deliberately not averaged (torch's
+    ``_ddp_params_and_buffers_to_ignore``).
 
     A backward is averaged only if a forward armed the reducer (:meth:`prepare_for_forward`
     outside ``no_sync``) since the last averaged backward, as torch DDP's reducer expects its
@@ -166,6 +196,7 @@ class Reducer:
         device: torch.device,
         module: torch.nn.Module | None = None,
         exchange: ExchangeFactory | None = None,
+        ignored: frozenset[str] = frozenset(),
     ) -> None:
         self._params = list(params)
         self._names = list(names)
@@ -173,6 +204,17 @@ class Reducer:
         self._world_size = dist.get_world_size(process_group)
         self._device = device
         self._module = None if module is None else weakref.ref(module)
+        self._ignored = ignored
+        # The module's parameters frozen at construction, not averaged: one unfrozen later
+        # would train without averaging (checked after each averaged backward, cheaply).
+        known = {id(p) for p in self._params}
+        self._frozen = (
+            []
+            if module is None
+            else [
+                p for n, p in module.named_parameters() if id(p) not in known and n not in ignored
+            ]
+        )
         self._sizes = [p.numel() * p.element_size() for p in self._params]
         self._keys = [(p.dtype, p.device) for p in self._params]
         # Launch order guess until the first backward tells: reverse registration order.
@@ -242,6 +284,8 @@ class Reducer:
     def _build(self, hyperparameters: Hyperparameters) -> None:
         layout = assign_buckets(self._sizes, self._keys, self._order, hyperparameters.bucket_size)
         self._buckets = [Bucket([self._params[i] for i in members]) for members in layout]
+        for bucket in self._buckets:
+            setattr(bucket.flat, _OWNER, weakref.ref(self))
         self._members = layout
         self._slots = [Slot(0, 0)] * len(self._params)
         self._views: list[torch.Tensor] = [torch.empty(0)] * len(self._params)
@@ -262,9 +306,16 @@ class Reducer:
 
     def set_exchange(self, exchange: ExchangeFactory) -> None:
         """Average with ``exchange(buckets, None)`` from the next backward on (between
-        iterations; ``buckets()`` returns the buckets in launch order)."""
+        iterations; ``buckets()`` returns the buckets in launch order). Once: an exchange
+        may keep state per bucket, as torch's communication hooks do (torch refuses a second
+        one too)."""
         with self._lock:
             self._check_idle("change the gradient exchange")
+            if self._exchange is not None:
+                raise ReductionError(
+                    "register_comm_hook can only be called once (as with torch's DDP), and not "
+                    "with an algorithm other than GradientAllReduce"
+                )
             made = exchange(_buckets_of(weakref.ref(self)), None)
             if made is None:
                 raise ValueError("set_exchange needs an exchange, got None")
@@ -295,6 +346,17 @@ class Reducer:
                 "(did backward raise?). Every rank must finish each backward."
             )
 
+    def check_module(self, module: torch.nn.Module) -> None:
+        """Raise if ``module`` (the wrapper's ``.module`` at a forward) is not the module the
+        reducer was built for: the new one's parameters would train without averaging (torch's
+        DDP lets them, silently)."""
+        if self._module is not None and self._module() is not module:
+            raise ReductionError(
+                "model.module was replaced after wrapping: its parameters would train without "
+                "averaging. Wrap the new module instead: "
+                "distune.DistributedDataParallel(new_module)"
+            )
+
     def prepare_for_forward(self, sync: bool) -> None:
         """Arm the reducer for the coming backward if ``sync`` (a forward outside no_sync), as
         torch DDP decides it at forward time; raise if the previous backward was left half done.
@@ -308,6 +370,29 @@ class Reducer:
                 self.armed = True
             self._spares = []
 
+    def watch(self, output: Any) -> None:
+        """Catch a later backward through ``output``, what a forward that armed the reducer
+        returned, once the reducer has averaged a backward since: its gradients would stay
+        local (torch DDP lets them), so the ranks would silently drift apart. That is a second
+        backward after one forward (``retain_graph=True``), or two forwards and a backward for
+        each. The check runs as that backward reaches ``output``, before any gradient."""
+        reference = weakref.ref(self)
+        for tensor in _tensors_in(output):
+            # Not on a leaf (a parameter returned as is): its hooks would outlive the forward.
+            if tensor.grad_fn is not None:
+                tensor.register_hook(partial(_on_output_grad, reference, self.iterations))
+
+    def _output_reached(self, iterations_at_forward: int) -> None:
+        if self.iterations > iterations_at_forward:
+            raise ReductionError(
+                "a backward reached the output of a forward whose gradients were already "
+                "averaged by an earlier backward (two backward calls after one forward, or "
+                "two forwards then a backward for each): this backward's gradients would "
+                "stay local, so the ranks would drift apart (torch's DDP lets them, "
+                "silently). Sum the losses into one backward, or run a forward before each "
+                "backward"
+            )
+
     def _grad_ready(self, index: int) -> None:
         with self._lock:
             if not self.armed:
@@ -320,7 +405,12 @@ class Reducer:
                     "backward (a parameter used in several reentrant checkpoints is not "
                     "supported: use torch.utils.checkpoint with use_reentrant=False)"
                 )
-            grad = self._params[index].grad  # set: the hook runs after accumulation
+            param = self._params[index]
+            if (param.dtype, param.device) != self._keys[index]:
+                self._raise_converted(index)
+            grad = param.grad  # set: the hook runs after accumulation
+            if grad is not None and grad is not self._views[index]:
+                self._check_not_shared(index, grad)
             if grad is not None and grad.is_sparse:
                 raise ReductionError(
                     f"parameter {self._names[index]!r} has a sparse gradient; distune averages "
@@ -328,6 +418,32 @@ class Reducer:
                 )
             self._into_bucket(index)
             self._mark_ready(index)
+
+    def _raise_converted(self, index: int) -> None:
+        param = self._params[index]
+        dtype, device = self._keys[index]
+        # .half()/.to() after wrapping also converts a .grad in place, detaching it from its
+        # bucket: its gradients would stay local.
+        raise ReductionError(
+            f"parameter {self._names[index]!r} is {param.dtype} on {param.device} but was "
+            f"{dtype} on {device} when it was wrapped (model.half() or .to() after wrapping): "
+            "convert the module first, then wrap it"
+        )
+
+    def _check_not_shared(self, index: int, grad: torch.Tensor) -> None:
+        """Raise if ``grad`` is a view of the bucket of another reducer averaging this backward:
+        two wrappers share the parameter, and the second would average (and divide) what the
+        first is still averaging."""
+        base = grad._base
+        owner = None if base is None else getattr(base, _OWNER, None)
+        other = None if owner is None else owner()
+        if other is not None and other is not self and other.armed:
+            raise ReductionError(
+                f"parameter {self._names[index]!r} is averaged by two DistributedDataParallel "
+                "wrappers in one backward (they share it): each would average it, the second "
+                "what the first is still averaging. Wrap one module holding both models (e.g. "
+                "an nn.ModuleDict of them)"
+            )
 
     def _into_bucket(self, index: int) -> None:
         """Make ``.grad`` the bucket view, holding the gradient (zeros if it is ``None``)."""
@@ -426,7 +542,7 @@ class Reducer:
     def _finish_reduction(self) -> None:
         # Parameters without a gradient in this backward: contribute .grad as it is (zeros if
         # None), in an order every rank shares, so the last buckets launch everywhere.
-        if not all(self._ready):
+        if not all(self._ready) or any(p.requires_grad for p in self._frozen):
             self._check_module_unchanged()
         for index in range(len(self._params)):
             if self._ready[index]:
@@ -447,7 +563,11 @@ class Reducer:
         if module is None:
             return
         known = {id(p) for p in self._params}
-        added = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in known]
+        added = [
+            n
+            for n, p in module.named_parameters()
+            if p.requires_grad and id(p) not in known and n not in self._ignored
+        ]
         if added:
             raise ReductionError(
                 f"the module has trainable parameters it did not have when it was wrapped "

@@ -250,6 +250,108 @@ def test_near_full_steps_down_while_smaller_is_faster() -> None:
     assert search.best() == TrialConfig(8, 2, 0, False)
 
 
+def scripted(
+    search: TrialSearch,
+    config: TrialConfig,
+    throughput: float,
+    peak: int | None = None,
+    spread: float = 0.0,
+    purpose: str = "search",
+) -> None:
+    """Tell ``search`` that ``config`` ran ok with these measurements."""
+    search.record(
+        TrialResult(
+            len(search.results),
+            config,
+            WORLD,
+            OK,
+            purpose=purpose,
+            throughput=throughput,
+            throughput_spread=spread,
+            step_seconds=config.global_batch(WORLD) / throughput,
+            peak_memory_bytes=true_peak(config) if peak is None else peak,
+        )
+    )
+
+
+def test_a_step_down_ends_when_faster_only_within_the_trials_spread() -> None:
+    cap = 600 * MiB  # DDP fits 16 at 565 MiB: near full
+    for below, more in ((52.0, False), (60.0, True)):
+        search = new_search(cap, pins=TrialPins(stage=0, checkpointing=False))
+        scripted(search, TrialConfig(16, 1, 0, False), 50.0, spread=0.05)
+        scripted(search, TrialConfig(8, 2, 0, False), below, spread=0.05)
+        proposal = search.next_trial()
+        # 4 % faster with 5 % spread says nothing; 20 % faster goes on down.
+        stepped = proposal is not None and proposal.config == TrialConfig(4, 4, 0, False)
+        assert stepped is more
+
+
+def test_a_step_down_that_a_cheaper_strategy_already_measured_is_not_run() -> None:
+    cap = 400 * MiB  # zero1 is predicted to fit micro-batch 8 at most (385 MiB: near full)
+    for ddp_at_4, stepped in ((50.0, False), (70.0, True)):
+        search = new_search(cap, pins=TrialPins(checkpointing=False))
+        scripted(search, TrialConfig(4, 4, 0, False), ddp_at_4, peak=390 * MiB)
+        scripted(search, TrialConfig(8, 2, 1, False), 60.0)
+        proposal = search._next_in_family(1, False, False)
+        assert (proposal is not None and proposal.config == TrialConfig(4, 4, 1, False)) is stepped
+        # Where the slower ddp 4 x 4 answered it, the decision says so.
+        said = "zero1, micro-batch 8 x 2: not stepped down, ddp, micro-batch 4 x 4 was slower"
+        assert (said in search.decisions) is not stepped
+
+
+def test_where_every_cheaper_strategy_ran_near_full_the_next_gets_one_trial_there() -> None:
+    # 400 MiB: DDP fits nothing, zero1 micro-batch 8 (near full), zero2 16 at 365 MiB (near
+    # full), zero3 fits 16 at most (285 MiB): no larger micro-batch than zero2 reached.
+    cap = 400 * MiB
+    pins = TrialPins(checkpointing=False)
+
+    def zero3_runs(search: TrialSearch) -> list[TrialConfig]:
+        return [r.config for r in search.results if r.config.stage == 3]
+
+    # Sharding only costs here: zero3 gets its one trial, is slower, and is given up.
+    search = new_search(cap, pins=pins)
+    run_search(search, cap)
+    assert zero3_runs(search) == [TrialConfig(16, 1, 3, False)]
+    assert any(d.startswith("zero3: one trial at micro-batch 16") for d in search.decisions)
+    assert any(d.startswith("zero3: given up, not faster") for d in search.decisions)
+
+    # The cap slows near-full configurations: zero3's room makes it faster, and it is kept.
+    def slower_when_full(config: TrialConfig) -> float:
+        return speed(config) * (0.7 if true_peak(config) > 0.85 * cap else 1.0)
+
+    search = new_search(cap, pins=pins)
+    run_search(search, cap, slower_when_full)
+    assert TrialConfig(16, 1, 3, False) in zero3_runs(search)
+    assert not any(d.startswith("zero3: given up") for d in search.decisions)
+    ranked = [config for config, _ in search.ranking()]
+    assert ranked.index(TrialConfig(16, 1, 3, False)) < ranked.index(TrialConfig(16, 1, 2, False))
+
+
+def test_the_caps_effect_at_a_micro_batch_is_tested_once() -> None:
+    # 430 MiB: zero1 reaches 16 near full (415 MiB); zero2 and zero3 fit no more than 16.
+    cap = 430 * MiB
+    search = new_search(cap, pins=TrialPins(checkpointing=False))
+    run_search(search, cap)
+    assert [r.config for r in search.results if r.config.stage == 2] == [
+        TrialConfig(16, 1, 2, False)
+    ]
+    assert not [r for r in search.results if r.config.stage == 3]
+    assert any(d.startswith("zero3: skipped") for d in search.decisions)
+
+
+def test_re_measuring_stops_after_the_best_two_when_a_drift_reorders_them() -> None:
+    search = new_search(None, pins=TrialPins(stage=0, checkpointing=False), max_trials=10)
+    for micro, value in ((16, 100.0), (8, 90.0), (4, 80.0)):
+        scripted(search, TrialConfig(micro, 16 // micro, 0, False), value)
+    remeasured = []
+    while (proposal := search.next_trial()) is not None:
+        assert proposal.purpose == "remeasure"
+        remeasured.append(proposal.config.micro_batch)
+        # The machine got busier: every second measurement is lower.
+        scripted(search, proposal.config, 60.0, purpose="remeasure")
+    assert remeasured == [16, 8]  # 4 x 4 now ranks first on one measurement: not chased
+
+
 def test_pins_are_never_changed_and_the_global_batch_is_fixed() -> None:
     pins = TrialPins(stage=1, checkpointing=True)
     search = new_search(None, pins=pins)

@@ -7,6 +7,7 @@ from torch import nn
 
 import distune
 from distune import Hyperparameters
+from distune.worker_runtime.distributed import UnsupportedModuleError
 from distune.worker_runtime.reducer import ReductionError
 
 
@@ -160,14 +161,31 @@ def test_a_stale_gradient_of_an_unused_parameter_is_averaged_not_lost(world):
     assert torch.equal(model.module.unused.weight.grad, torch.ones(2, 4))
 
 
+class SparseLookup(nn.Module):
+    """A sparse gradient no constructor check can see: ``F.embedding(..., sparse=True)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, 3))
+
+    def forward(self, index: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(index, self.table, sparse=True)
+
+
+def test_sparse_embeddings_are_refused_at_construction_by_name(world):
+    model = nn.Sequential(nn.Linear(3, 3), nn.Embedding(10, 3, sparse=True))
+    with pytest.raises(UnsupportedModuleError, match=r"submodule '1' is an Embedding"):
+        distune.DistributedDataParallel(model)
+
+
 def test_sparse_gradients_are_refused_by_name(world):
-    model = distune.DistributedDataParallel(nn.Embedding(10, 3, sparse=True))
-    with pytest.raises(ReductionError, match="'weight' has a sparse gradient"):
+    model = distune.DistributedDataParallel(SparseLookup())
+    with pytest.raises(ReductionError, match="'table' has a sparse gradient"):
         model(torch.tensor([1, 2])).sum().backward()
 
 
 def test_a_backward_left_half_done_is_reported_at_the_next_forward(world):
-    model = distune.DistributedDataParallel(nn.Embedding(10, 3, sparse=True))
+    model = distune.DistributedDataParallel(SparseLookup())
     with pytest.raises(ReductionError):
         model(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(ReductionError, match="did backward raise"):

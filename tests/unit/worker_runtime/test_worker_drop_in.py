@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import copy
 import gc
+import inspect
 import io
 import logging
 import pickle
+import warnings
 import weakref
 
 import pytest
@@ -16,12 +18,24 @@ import torch
 import torch.distributed as dist
 from test_worker_tuning import ScriptedService, group, train_until
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+    allreduce_hook,
+    fp16_compress_hook,
+)
+from torch.distributed.device_mesh import init_device_mesh
 
 import distune
 from distune import Hyperparameters
+from distune.algorithms import AsyncModelAverage
+from distune.worker_runtime.distributed import UnsupportedModuleError
 from distune.worker_runtime.reducer import ReductionError
+from distune.worker_runtime.torch_ddp_arguments import TorchDDPArguments, UnsupportedArgumentError
 
 TorchDDP = nn.parallel.DistributedDataParallel
+needs_torch_2_13 = pytest.mark.skipif(
+    "forward_sync_buffers" not in inspect.signature(TorchDDP.__init__).parameters,
+    reason="torch < 2.13's arguments",
+)
 
 
 @pytest.fixture
@@ -214,3 +228,232 @@ def test_a_refused_registration_shows_the_services_message_and_stops_tuning(tuni
     messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(messages) == 1
     assert "refused model 'model0': model 'model0' is already registered" in messages[0]
+
+
+# -- torch DDP's arguments, bound against the installed torch's signature -----------------------
+
+
+@needs_torch_2_13
+def test_torch_attributes_have_torch_ddps_values(world):
+    module = mlp()
+    TorchDDP._set_params_and_buffers_to_ignore_for_model(module, ["1.running_mean"])
+    args = {"find_unused_parameters": True, "gradient_as_bucket_view": True, "dim": 1}
+    ours, ref = distune.DistributedDataParallel(module, **args), TorchDDP(module, **args)
+    for name in (
+        "device_ids",
+        "output_device",
+        "dim",
+        "find_unused_parameters",
+        "gradient_as_bucket_view",
+        "static_graph",
+        "broadcast_buffers",
+        "forward_sync_buffers",
+        "parameters_to_ignore",
+        "process_group",
+        "require_backward_grad_sync",
+    ):
+        assert getattr(ours, name) == getattr(ref, name), name
+    for model in (ours, ref):
+        model._set_static_graph()
+        model.broadcast_buffers = False
+        assert model.static_graph and not model.forward_sync_buffers
+
+
+@needs_torch_2_13
+@pytest.mark.parametrize(
+    ("kwargs", "forward", "construction"),
+    [
+        ({}, True, True),
+        ({"broadcast_buffers": False}, False, False),
+        ({"forward_sync_buffers": False}, False, True),
+        ({"broadcast_buffers": False, "forward_sync_buffers": True}, True, True),
+    ],
+)
+def test_buffer_broadcasts_follow_torchs_rule(world, kwargs, forward, construction):
+    arguments = TorchDDPArguments.bind(mlp(), (), kwargs, [torch.zeros(1)], None)
+    assert (arguments.forward_sync_buffers, arguments.init_sync_buffers) == (forward, construction)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch 2.13 deprecates broadcast_buffers
+        assert TorchDDP(mlp(), **kwargs).forward_sync_buffers == forward
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        ((), {"bucket_cap": 1}, "unexpected keyword argument 'bucket_cap'"),
+        ((None,) * 30, {}, "too many positional arguments"),
+        ((None, None, 0), {"dim": 0}, "multiple values for argument 'dim'"),
+    ],
+)
+def test_a_call_torch_refuses_raises_torchs_type_error(world, args, kwargs, message):
+    for wrapper in (distune.DistributedDataParallel, TorchDDP):
+        with pytest.raises(TypeError):
+            wrapper(mlp(), *args, **kwargs)
+    with pytest.raises(TypeError, match=message):
+        distune.DistributedDataParallel(mlp(), *args, **kwargs)
+
+
+@needs_torch_2_13
+def test_arguments_that_change_the_math_are_refused_by_name(world):
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    with pytest.raises(UnsupportedArgumentError, match=r"mixed_precision=.*torch\.autocast"):
+        distune.DistributedDataParallel(mlp(), mixed_precision=_MixedPrecision(torch.bfloat16))
+    with pytest.raises(UnsupportedArgumentError, match=r"bucket_cap_mb_list=\[1, 25\].*one size"):
+        distune.DistributedDataParallel(mlp(), bucket_cap_mb_list=[1, 25])
+    distune.DistributedDataParallel(mlp(), bucket_cap_mb_list=[])  # torch's "uniform"
+    distune.DistributedDataParallel(mlp(), mixed_precision=None, skip_all_reduce_unused_params=True)
+
+
+def test_an_argument_a_newer_torch_adds_is_refused_unless_left_at_its_default(world, monkeypatch):
+    def newer_init(self, module, device_ids=None, *, overlap_optimizer=False):  # a future torch
+        raise AssertionError("distune never calls torch's constructor")
+
+    monkeypatch.setattr(TorchDDP, "__init__", newer_init)
+    distune.DistributedDataParallel(mlp(), overlap_optimizer=False)
+    with pytest.raises(UnsupportedArgumentError, match="overlap_optimizer=True is not supported"):
+        distune.DistributedDataParallel(mlp(), overlap_optimizer=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bucket_cap_mb'"):
+        distune.DistributedDataParallel(mlp(), bucket_cap_mb=1)  # not in that torch
+
+
+@needs_torch_2_13
+def test_delayed_allreduce_arguments_follow_torchs_rules(world):
+    module = mlp()
+    with pytest.raises(ValueError, match="need to be set at the same time"):
+        distune.DistributedDataParallel(module, param_to_hook_all_reduce=module[0].weight)
+    with pytest.raises(ValueError, match="trainable parameters of the module"):
+        distune.DistributedDataParallel(
+            module,
+            delay_all_reduce_named_params=[("other", nn.Parameter(torch.zeros(1)))],
+            param_to_hook_all_reduce=module[0].weight,
+        )
+    distune.DistributedDataParallel(
+        module,
+        delay_all_reduce_named_params=[("3.weight", module[3].weight)],
+        param_to_hook_all_reduce=module[0].weight,
+    )
+
+
+@needs_torch_2_13
+def test_device_mesh_gives_the_process_group_as_in_torch(world):
+    mesh = init_device_mesh("cpu", (1,))
+    model = distune.DistributedDataParallel(mlp(), device_mesh=mesh)
+    assert model.process_group is mesh.get_group(0)
+    with pytest.raises(RuntimeError, match="Only 1D device mesh"):
+        distune.DistributedDataParallel(mlp(), device_mesh=init_device_mesh("cpu", (1, 1)))
+    with pytest.raises(RuntimeError, match="both process_group and device_mesh"):
+        distune.DistributedDataParallel(mlp(), process_group=dist.group.WORLD, device_mesh=mesh)
+
+
+def test_lazy_modules_are_refused_before_their_first_forward(world):
+    with pytest.raises(RuntimeError, match=r"uninitialized.*run a forward"):
+        distune.DistributedDataParallel(nn.Sequential(nn.LazyLinear(4)))
+
+
+def test_ignored_parameters_are_not_averaged(world):
+    module = mlp()
+    TorchDDP._set_params_and_buffers_to_ignore_for_model(module, ["3.weight", "3.bias"])
+    model = distune.DistributedDataParallel(module)
+    assert {id(p) for p in model._reducer.params} == {
+        id(p) for p in (*module[0].parameters(), *module[1].parameters())
+    }
+    step(model)  # the ignored ones get local gradients, and no "unused parameter" complaint
+    assert module[3].weight.grad is not None and model._reducer.iterations == 1
+
+
+def test_a_parameter_unfrozen_after_wrapping_is_an_error_not_a_local_gradient(world):
+    module = mlp()
+    module[0].requires_grad_(False)
+    model = distune.DistributedDataParallel(module)
+    step(model)
+    module[0].requires_grad_(True)  # torch's DDP would train it without averaging
+    with pytest.raises(ReductionError, match=r"0\.weight, 0\.bias.*unfrozen.*Wrap the module"):
+        step(model)
+
+
+def test_join_refuses_model_averaging_algorithms(world):
+    model = distune.DistributedDataParallel(mlp(), algorithm=AsyncModelAverage())
+    with pytest.raises(UnsupportedModuleError, match="join\\(\\) cannot shadow AsyncModelAverage"):
+        model.join()
+    model.finish()
+
+
+def test_parameters_on_two_devices_are_refused_as_torch_refuses_them(world):
+    module = mlp()
+    module[3].to("meta")
+    for wrapper in (distune.DistributedDataParallel, TorchDDP):
+        with pytest.raises(ValueError, match=r"cpu.*meta|meta.*cpu"):
+            wrapper(module)
+
+
+def test_nested_wrappers_are_refused_at_construction(world):
+    inner = distune.DistributedDataParallel(mlp(), name="inner")
+    with pytest.raises(
+        UnsupportedModuleError, match=r"submodule '0' is already a .*DistributedDataParallel"
+    ):
+        distune.DistributedDataParallel(nn.Sequential(inner, nn.Linear(4, 2)))
+    with pytest.raises(
+        UnsupportedModuleError, match=r"the module is already a torch\.nn\.parallel"
+    ):
+        distune.DistributedDataParallel(TorchDDP(mlp()))
+
+
+def test_replacing_model_module_is_an_error_at_the_next_forward(world):
+    model = distune.DistributedDataParallel(mlp())
+    step(model)
+    model.module = mlp()  # torch's DDP would train it without averaging
+    with pytest.raises(ReductionError, match=r"model\.module was replaced.*Wrap the new module"):
+        step(model)
+
+
+def test_hooks_on_the_wrapper_and_train_eval_work_as_on_torchs(world):
+    seen: dict[str, list[str]] = {}
+    for label, model in (
+        ("ours", distune.DistributedDataParallel(mlp())),
+        ("torch", TorchDDP(mlp())),
+    ):
+        calls = seen.setdefault(label, [])
+        model.register_forward_pre_hook(lambda m, args, calls=calls: calls.append("pre"))
+        model.register_forward_hook(lambda m, args, out, calls=calls: calls.append(str(out.shape)))
+        model.eval()
+        assert not model.module[1].training
+        model.train()
+        step(model)
+        calls.append(str(model.module[1].training))
+    assert seen["ours"] == seen["torch"] == ["pre", "torch.Size([3, 4])", "True"]
+
+
+def test_two_wrappers_averaging_a_shared_parameter_in_one_backward_are_an_error(world):
+    shared = nn.Linear(16, 16)
+    first = distune.DistributedDataParallel(nn.Sequential(shared, nn.Linear(16, 4)), name="a")
+    second = distune.DistributedDataParallel(nn.Sequential(shared, nn.Linear(16, 2)), name="b")
+    x = torch.randn(3, 16)
+    with pytest.raises(ReductionError, match=r"'0\.(weight|bias)' is averaged by two .*wrappers"):
+        (first(x).sum() + second(x).sum()).backward()
+
+
+def test_rewrapping_after_training_with_kept_gradients_is_no_sharing(world):
+    module = mlp()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    old = distune.DistributedDataParallel(module)
+    for model in (old, distune.DistributedDataParallel(module)):  # the old one stays referenced
+        optimizer.zero_grad(set_to_none=False)  # .grad stays a view of the old buckets
+        step(model)
+        optimizer.step()
+    assert old._reducer.iterations == 1
+
+
+def test_converting_the_model_after_wrapping_is_an_error_not_local_gradients(world):
+    model = distune.DistributedDataParallel(mlp())
+    step(model)
+    model.half()  # also converts each .grad in place, out of its bucket
+    with pytest.raises(ReductionError, match=r"torch\.float16 on cpu but was torch\.float32"):
+        model(torch.randn(3, 16).half()).sum().backward()
+
+
+def test_a_second_comm_hook_is_refused_as_torch_refuses_it(world):
+    for model in (distune.DistributedDataParallel(mlp()), TorchDDP(mlp())):
+        model.register_comm_hook(None, fp16_compress_hook)
+        with pytest.raises(RuntimeError, match="can only be called once"):
+            model.register_comm_hook(None, allreduce_hook)

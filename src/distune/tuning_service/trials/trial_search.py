@@ -10,14 +10,20 @@ because a larger micro-batch means fewer accumulation steps and better-used kern
 memory trial prunes its micro-batch and every larger one of the family (and of the same stage
 without checkpointing, which needs more memory still) and the search steps down. A configuration
 that ran near the memory cap may be slowed by it (allocator pressure, smaller kernels
-elsewhere), so from there the search steps down while the smaller micro-batch is faster; so does
-a search for the lowest latency, whose step time may fall with the micro-batch when the global
-batch is free to change. Checkpointing and sharding are tried only where they are predicted to
-fit a larger micro-batch than the cheaper ways already reached (a lower stage, or the same stage
-without checkpointing): recomputation and sharding's extra communication cost time, and pay only
-by making room (DeepSpeed's autotuner stops climbing stages for the same reason). A family whose
-trial crashed, hung or was invalid is given up. Finally the two best configurations are measured
-once more, and the best mean wins.
+elsewhere), so from there the search steps down, and on while the smaller micro-batch is faster
+by more than the two trials' own spread; so does a search for the lowest latency, whose step
+time may fall with the micro-batch when the global batch is free to change. A step down is not
+run where a cheaper family already ran the smaller micro-batch slower than the near-full trial:
+that answers it. Checkpointing and sharding are tried only where they are predicted to fit a
+larger micro-batch than the cheaper ways already reached (a lower stage, or the same stage
+without checkpointing): recomputation and sharding's extra communication cost time, and pay
+only by making room (DeepSpeed's autotuner stops climbing stages for the same reason). The
+exception is the micro-batch where every cheaper family that ran it ran near the cap: there the
+room a more sharded family frees may be what makes it faster, so the next such family gets one
+trial at that micro-batch (once per micro-batch and precision), and goes on only if it was
+faster. A family whose trial crashed, hung or was invalid is given up. Finally the two best
+configurations are measured once more (only those two: a drift of the machine's load between
+trials would otherwise chase every configuration measured once), and the best mean wins.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from distune.tuning_service.trials.memory_model import MemoryModel
-from distune.tuning_service.trials.trial_config import TrialConfig
+from distune.tuning_service.trials.trial_config import STRATEGY_NAMES, TrialConfig
 from distune.tuning_service.trials.trial_result import LATENCY, OK, OOM, THROUGHPUT, TrialResult
 from distune.tuning_service.trials.trial_space import TrialSpace
 
@@ -47,6 +53,14 @@ def ranking(results: Iterable[TrialResult], metric: str) -> list[tuple[TrialConf
             values.setdefault(result.config, []).append(result.value(metric))
     means = [(config, sum(v) / len(v)) for config, v in values.items()]
     return sorted(means, key=lambda item: (-item[1], item[0]))
+
+
+def clearly_better(result: TrialResult, other: TrialResult, metric: str) -> bool:
+    """Whether ``result`` beats ``other`` by more than either trial's own spread (the
+    interquartile range of its steps over their median; a trial without one counts as 0)."""
+    noise = max(result.throughput_spread or 0.0, other.throughput_spread or 0.0)
+    value, base = result.value(metric), other.value(metric)
+    return value - base > noise * abs(base)
 
 
 @dataclass(frozen=True)
@@ -72,6 +86,10 @@ class TrialSearch:
     _oom_at: dict[Family, int] = field(default_factory=dict)
     _given_up: set[Family] = field(default_factory=set)
     _remeasuring: bool = False
+    #: Families on their one trial where cheaper ones ran near full: the trial it must beat.
+    _relieving: dict[Family, TrialResult] = field(default_factory=dict)
+    #: (micro-batch, bf16) where a relief trial ran: the cap's effect there is tested once.
+    _relief_tested: set[tuple[int, bool]] = field(default_factory=set)
     #: bf16 trials' own memory model (same facts), and the families it has measured.
     _bf16_memory: MemoryModel | None = None
     _bf16_measured: set[tuple[int, bool]] = field(default_factory=set)
@@ -164,6 +182,12 @@ class TrialSearch:
                     if proposal is not None:
                         return proposal
             self._remeasuring = True
+        # Each of the best two once more, and no more: a configuration whose first measurement
+        # ranks it first after the others' second ones fell (a machine's load drifts between
+        # trials) is not chased further.
+        remeasured = sum(r.purpose == "remeasure" for r in self.results)
+        if remeasured >= REMEASURED:
+            return None
         for config, _ in self.ranking()[:REMEASURED]:
             if len(self.scores(config)) == 1:
                 return Proposal(config, "remeasure", self.predicted(config))
@@ -190,7 +214,12 @@ class TrialSearch:
         ]
         reached = self._reached_by_cheaper(family)
         if fitting and not tried and max(fitting) <= reached:
-            self._skip(family, max(fitting), reached)
+            pressed = self._pressed_at(family, reached) if max(fitting) == reached else None
+            if pressed is None:
+                self._skip(family, max(fitting), reached)
+                return None
+            return self._relieve(family, pressed)
+        if family in self._relieving and not self._relieved(family, tried):
             return None
         ok = [m for m, r in tried.items() if r.outcome == OK]
         above = [m for m in fitting if m > max(ok, default=0) and m not in tried]
@@ -200,21 +229,70 @@ class TrialSearch:
             return None
         return self._step_down(family, fitting, tried, max(ok))
 
-    def _reached_by_cheaper(self, family: Family) -> int:
-        """The largest micro-batch that ran ok in a cheaper family of the same precision (0:
-        none). Checkpointing costs recomputation and sharding costs communication: each pays
-        only where it fits a larger micro-batch than the cheaper ways already reached."""
+    def _cheaper(self, family: Family) -> list[Family]:
+        """The families of the same precision that need no more sharding and no more
+        recomputation than ``family``."""
         stage, checkpointing, bf16 = family
-        cheaper = [
+        return [
             (s, c, bf16)
             for s in self.space.stages()
             for c in self.space.checkpointing()
             if s <= stage and c <= checkpointing and (s, c, bf16) != family
         ]
+
+    def _reached_by_cheaper(self, family: Family) -> int:
+        """The largest micro-batch that ran ok in a cheaper family of the same precision (0:
+        none). Checkpointing costs recomputation and sharding costs communication: each pays
+        only where it fits a larger micro-batch than the cheaper ways already reached."""
         return max(
-            (m for key in cheaper for m, r in self._tried(key).items() if r.outcome == OK),
+            (
+                m
+                for key in self._cheaper(family)
+                for m, r in self._tried(key).items()
+                if r.outcome == OK
+            ),
             default=0,
         )
+
+    def _pressed_at(self, family: Family, micro_batch: int) -> TrialResult | None:
+        """The fastest cheaper trial at ``micro_batch`` if every cheaper family that ran it ran
+        near the cap (None otherwise): there the cap may have slowed them, which the memory
+        ``family`` frees could undo, as stepping down the micro-batch could."""
+        at = [
+            r
+            for key in self._cheaper(family)
+            for m, r in self._tried(key).items()
+            if m == micro_batch and r.outcome == OK
+        ]
+        tested = (micro_batch, family[2]) in self._relief_tested
+        if tested or not at or not all(self._near_full(r) for r in at):
+            return None
+        return max(at, key=lambda r: r.value(self.metric))
+
+    def _relieve(self, family: Family, pressed: TrialResult) -> Proposal:
+        """One trial of ``family`` at the micro-batch where the cheaper ones ran near full."""
+        micro_batch = pressed.config.micro_batch
+        self._relieving[family] = pressed
+        self._relief_tested.add((micro_batch, family[2]))
+        self.decisions.append(
+            f"{self._name(family)}: one trial at micro-batch {micro_batch}, where the cheaper "
+            f"{pressed.config.strategy} ran near the cap; kept only if faster"
+        )
+        return self._propose(family, micro_batch)
+
+    def _relieved(self, family: Family, tried: dict[int, TrialResult]) -> bool:
+        """Whether ``family``'s trial at the pressed micro-batch beat the cheaper one there (the
+        family then goes on as any other); if not, it is given up."""
+        pressed = self._relieving.pop(family)
+        result = tried.get(pressed.config.micro_batch)
+        beaten = pressed.value(self.metric)
+        if result is not None and result.outcome == OK and result.value(self.metric) > beaten:
+            return True
+        self._given_up.add(family)
+        self.decisions.append(
+            f"{self._name(family)}: given up, not faster than {pressed.config.describe()}"
+        )
+        return False
 
     def _step_down(
         self,
@@ -224,34 +302,58 @@ class TrialSearch:
         largest_ok: int,
     ) -> Proposal | None:
         """Step down from the largest ok micro-batch: only from a near-full one (or for
-        latency), and on only while each step down was faster than the one above it."""
+        latency), and on only while each step down was faster than the one above it by more
+        than the two trials' spread (a step down that is faster within the noise says nothing)."""
         chain = [largest_ok]
         while True:
             current = tried[chain[-1]]
             if len(chain) == 1:
                 if not self._near_full(current) and self.metric != LATENCY:
                     return None
-            elif current.value(self.metric) <= tried[chain[-2]].value(self.metric):
+            elif not clearly_better(current, tried[chain[-2]], self.metric):
                 return None
             lower = [m for m in fitting if m < chain[-1]]
             if not lower:
                 return None
             below = max(lower)
             if below not in tried:
+                if self._answered_below(family, current, below):
+                    return None
                 return self._propose(family, below)
             if tried[below].outcome != OK:
                 return None
             chain.append(below)
 
+    def _name(self, family: Family) -> str:
+        stage, checkpointing, bf16 = family
+        name = STRATEGY_NAMES[stage] + (" with checkpointing" if checkpointing else "")
+        return name + (" in bf16" if bf16 else "")
+
+    def _answered_below(self, family: Family, current: TrialResult, below: int) -> bool:
+        """Whether a cheaper family already ran micro-batch ``below``, slower than ``current``.
+        A step down asks whether the smaller micro-batch, with room to spare, beats the
+        near-full ``current``; at one micro-batch more sharding or recomputation adds work (the
+        premise of skipping strategies), so this family's ``below`` is predicted no faster than
+        the cheaper one's, which was slower: the step down is not run."""
+        value = current.value(self.metric)
+        for key in self._cheaper(family):
+            cheaper = self._tried(key).get(below)
+            if cheaper and cheaper.outcome == OK and cheaper.value(self.metric) <= value:
+                decision = (
+                    f"{current.config.describe()}: not stepped down, {cheaper.config.describe()} "
+                    "was slower"
+                )
+                if decision not in self.decisions:
+                    self.decisions.append(decision)
+                return True
+        return False
+
     def _skip(self, family: Family, fits: int, reached: int) -> None:
         if family not in self._given_up:
             self._given_up.add(family)
-            config = self.space.config(*family[:2], fits, family[2])
-            what = config.strategy + (" with checkpointing" if family[1] else "")
-            what += " in bf16" if family[2] else ""
             self.decisions.append(
-                f"{what}: skipped, it fits micro-batch {fits} at most and a cheaper strategy "
-                f"reached {reached}"
+                f"{self._name(family)}: skipped, it fits micro-batch {fits} at most and a "
+                f"cheaper strategy reached {reached}"
             )
 
     def _near_full(self, result: TrialResult) -> bool:

@@ -1,0 +1,375 @@
+"""torch 2.13's constructor arguments and the misuse cases, side by side with torch DDP (2 gloo
+ranks, one job: processes start slowly on a loaded machine).
+
+Each scenario builds distune's wrapper and torch's over copies of one module, trains both on
+the same data and compares gradients after every backward and parameters (and buffers) at the
+end; where torch's DDP lets gradients silently go wrong, distune must raise instead. Each
+returns what its test asserts.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from ddp_launch import run_job, worker_main
+from test_ddp_correctness import assert_grads_equal, assert_params_equal, batch, loss_of, make_model
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+from torch.distributed.device_mesh import init_device_mesh
+
+import distune
+from distune.worker_runtime.reducer import ReductionError
+
+pytestmark = pytest.mark.slow
+SCENARIOS = {}
+TorchDDP = nn.parallel.DistributedDataParallel
+#: Scenarios of torch 2.13's arguments run where the installed torch has them.
+NEWER_ARGUMENTS = "forward_sync_buffers" in inspect.signature(TorchDDP.__init__).parameters
+needs_torch_2_13 = pytest.mark.skipif(not NEWER_ARGUMENTS, reason="torch < 2.13's arguments")
+
+
+def scenario(fn):
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def train_both(ours: nn.Module, ref: nn.Module, what: str, steps: int = 3, **tol: Any) -> None:
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, ref)]
+    for step in range(steps):
+        for model, optimizer in zip((ours, ref), optimizers, strict=True):
+            optimizer.zero_grad()
+            loss_of(model, batch(step)).backward()
+        assert_grads_equal(ours, ref, f"{what}, step {step}", **tol)
+        for optimizer in optimizers:
+            optimizer.step()
+    assert_params_equal(ours.module, ref.module, f"{what}, after {steps} steps", **tol)
+    assert_buffers_equal(ours.module, ref.module, what)
+
+
+def assert_buffers_equal(a: nn.Module, b: nn.Module, what: str) -> None:
+    for (name, x), y in zip(a.named_buffers(), b.buffers(), strict=True):
+        torch.testing.assert_close(x, y, msg=lambda m, n=name: f"{what}: buffer {n}: {m}")
+
+
+def rank_dependent() -> nn.Module:
+    """Rank-dependent weights and buffers: what construction broadcasts (or not) shows."""
+    module = make_model(seed=dist.get_rank())
+    module.register_buffer("counter", torch.full((3,), float(dist.get_rank())))
+    module.append(nn.BatchNorm1d(5))
+    return module
+
+
+# -- torch 2.13's arguments ----------------------------------------------------------------------
+
+
+@scenario
+def buffer_sync_rules(out: Path) -> dict:
+    """``broadcast_buffers=False`` skips the construction broadcast of buffers,
+    ``forward_sync_buffers=False`` keeps it; neither broadcasts before forwards.
+    ``init_sync=False`` broadcasts nothing at construction (each rank keeps its weights)."""
+    counters = {}
+    for kwargs in (
+        {"broadcast_buffers": False},
+        {"forward_sync_buffers": False},
+        {"init_sync": False},
+        {},
+    ):
+        module = rank_dependent()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch 2.13: broadcast_buffers
+            ref = TorchDDP(copy.deepcopy(module), **kwargs)
+        ours = distune.DistributedDataParallel(module, **kwargs)
+        assert_buffers_equal(ours.module, ref.module, f"{kwargs} after construction")
+        assert_params_equal(ours.module, ref.module, f"{kwargs} after construction")
+        counters[str(kwargs)] = ours.module.counter.tolist()
+        train_both(ours, ref, str(kwargs))
+    return counters
+
+
+@scenario
+def ignored_parameters_and_buffers(out: Path) -> dict:
+    """``_set_params_and_buffers_to_ignore_for_model``: neither averaged nor broadcast."""
+    module = rank_dependent()
+    TorchDDP._set_params_and_buffers_to_ignore_for_model(module, ["4.weight", "counter"])
+    ref = TorchDDP(copy.deepcopy(module))
+    ours = distune.DistributedDataParallel(module)
+    assert_params_equal(ours.module, ref.module, "after construction")
+    train_both(ours, ref, "ignored")
+    return {"counter": ours.module.counter.tolist(), "weight": ours.module[4].weight[0, 0].item()}
+
+
+@scenario
+def device_mesh_delayed_and_skipped(out: Path) -> dict:
+    """A 1-D device mesh; delayed allreduce (averaged to torch's values without delay);
+    ``skip_all_reduce_unused_params`` with a parameter no rank uses."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    ours = distune.DistributedDataParallel(make_model(), device_mesh=mesh)
+    train_both(ours, TorchDDP(make_model(), device_mesh=mesh), "device_mesh")
+    module = make_model()
+    delayed = [("2.weight", module[2].weight), ("2.bias", module[2].bias)]
+    ours = distune.DistributedDataParallel(
+        module, delay_all_reduce_named_params=delayed, param_to_hook_all_reduce=module[0].weight
+    )
+    train_both(ours, TorchDDP(make_model()), "delay_all_reduce_named_params")
+
+    skip = {"skip_all_reduce_unused_params": True, "find_unused_parameters": True}
+    ours = distune.DistributedDataParallel(WithSpare(), **skip)
+    train_both(ours, TorchDDP(WithSpare(), **skip), "skip_all_reduce_unused_params")
+    return {}
+
+
+class WithSpare(nn.Module):
+    """make_model() and a layer no rank uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model()
+        self.spare = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+# -- models off the common path ------------------------------------------------------------------
+
+
+class MixedDtypes(nn.Module):
+    """An fp32 layer, then a bf16 one: two dtypes, so buckets of each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(12, 16)
+        self.second = nn.Linear(16, 5).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)).to(torch.bfloat16)).float()
+
+
+class TiedAndReused(nn.Module):
+    """An embedding tied to the output layer, and a layer applied twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(12, 8, bias=False)
+        self.middle = nn.Linear(8, 8)
+        self.out = nn.Linear(12, 8, bias=False)
+        self.out.weight = self.embed.weight  # tied: one parameter in two modules
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.middle(torch.tanh(self.middle(self.embed(x)))))
+        return h @ self.out.weight
+
+
+class Layouts(nn.Module):
+    """A channels_last convolution and a parameter that is a transposed (non-contiguous)
+    view: gradients whose strides differ from a bucket view's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+        self.transposed = nn.Parameter(torch.randn(5, 4).t())
+        assert not self.transposed.is_contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        image = x[:, :12].reshape(-1, 3, 2, 2).repeat(1, 1, 2, 2)
+        image = image.contiguous(memory_format=torch.channels_last)
+        return self.conv(image).mean(dim=(2, 3)) @ self.transposed
+
+
+@scenario
+def unusual_models(out: Path) -> dict:
+    for module_of in (MixedDtypes, TiedAndReused, Layouts):
+        ours = distune.DistributedDataParallel(module_of(), bucket_size=2**9)
+        train_both(ours, TorchDDP(module_of()), module_of.__name__)
+    return {}
+
+
+@scenario
+def frozen_after_wrapping(out: Path) -> dict:
+    """A layer frozen on every rank after wrapping: unused, as under torch's
+    ``find_unused_parameters=True``."""
+    ours = distune.DistributedDataParallel(make_model())
+    ref = TorchDDP(make_model(), find_unused_parameters=True)
+    for model in (ours, ref):
+        model.module[0].requires_grad_(False)
+    train_both(ours, ref, "frozen after wrapping")
+    return {"grad": ours.module[0].weight.grad is None}
+
+
+class Sometimes(nn.Module):
+    """``extra`` is used on rank 1 only, and only while ``use_extra`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model()
+        torch.manual_seed(1)
+        self.extra = nn.Linear(12, 5)
+        self.use_extra = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        return out + self.extra(x) if self.use_extra and dist.get_rank() == 1 else out
+
+
+@scenario
+def unused_only_at_the_averaging_step(out: Path) -> dict:
+    """A parameter used in a ``no_sync`` micro-batch of one rank and not in the averaging one:
+    its accumulated gradient is averaged, as torch's ``find_unused_parameters=True`` does."""
+    ours = distune.DistributedDataParallel(Sometimes())
+    ref = TorchDDP(Sometimes(), find_unused_parameters=True)
+    for step in range(2):
+        for model in (ours, ref):
+            model.zero_grad()
+            model.module.use_extra = True
+            with model.no_sync():
+                loss_of(model, batch(2 * step)).backward()
+            model.module.use_extra = False
+            loss_of(model, batch(2 * step + 1)).backward()
+        assert_grads_equal(ours, ref, f"step {step}")
+    return {"extra": ours.module.extra.weight.grad is not None}
+
+
+@scenario
+def backward_twice_raises(out: Path) -> dict:
+    """Two forwards, then a backward for each: torch's DDP averages the first and leaves the
+    second local (the ranks drift apart); distune raises before any local gradient."""
+    errors = []
+    ours = distune.DistributedDataParallel(make_model())
+    a, b = loss_of(ours, batch(0)), loss_of(ours, batch(1))
+    a.backward()
+    averaged = [p.grad.clone() for p in ours.parameters()]
+    try:
+        b.backward()
+    except ReductionError as error:
+        errors.append(str(error))
+    for grad, param in zip(averaged, ours.parameters(), strict=True):
+        assert torch.equal(grad, param.grad), "the refused backward changed a gradient"
+    c = loss_of(ours, batch(2))
+    c.backward(retain_graph=True)
+    try:
+        c.backward()
+    except ReductionError as error:
+        errors.append(str(error))
+    return {"errors": errors}
+
+
+# -- uneven inputs --------------------------------------------------------------------------------
+
+
+def uneven(model: nn.Module, accumulate: int) -> None:
+    """Rank 1 has two optimizer steps more; each step accumulates ``accumulate`` micro-batches
+    under ``no_sync`` before the averaging one."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    with model.join():
+        for step in range(2 + 2 * dist.get_rank()):
+            optimizer.zero_grad()
+            for micro in range(accumulate):
+                with model.no_sync():
+                    loss_of(model, batch(10 * step + micro)).backward()
+            loss_of(model, batch(10 * step + accumulate)).backward()
+            optimizer.step()
+
+
+@scenario
+def join_cases(out: Path) -> dict:
+    """``no_sync`` accumulation inside ``join()``; ``join()`` with torch's fp16 compression
+    hook; ``join()`` under LowPrecision (no torch counterpart: it must not hang)."""
+    ours, ref = distune.DistributedDataParallel(make_model()), TorchDDP(make_model())
+    for model in (ours, ref):
+        uneven(model, accumulate=2)
+    assert_params_equal(ours.module, ref.module, "no_sync inside join")
+    ours, ref = distune.DistributedDataParallel(make_model()), TorchDDP(make_model())
+    for model in (ours, ref):
+        model.register_comm_hook(None, fp16_compress_hook)
+        uneven(model, accumulate=0)
+    assert_params_equal(ours.module, ref.module, "fp16_compress_hook inside join")
+    low = distune.algorithms.LowPrecision(bits=16, dtype="bf16")
+    ours = distune.DistributedDataParallel(make_model(), algorithm=low)
+    uneven(ours, accumulate=1)
+    result = {"iterations": ours._reducer.iterations, "first": ours.module[0].bias[0].item()}
+    for label, wrapper in (("ours", distune.DistributedDataParallel), ("torch", TorchDDP)):
+        model, steps = wrapper(make_model()), 0
+        try:  # every rank stops when rank 0 runs out: a RuntimeError on each, as torch's
+            with model.join(throw_on_early_termination=True):
+                for step in range(2 + 2 * dist.get_rank()):
+                    loss_of(model, batch(step)).backward()
+                    steps += 1
+        except RuntimeError:
+            result[f"early {label}"] = steps
+    return result
+
+
+@scenario
+def cases(out: Path) -> dict:
+    newer = {"buffer_sync_rules", "device_mesh_delayed_and_skipped"}
+    return {
+        name: fn(out)
+        for name, fn in list(SCENARIOS.items())
+        if name != "cases" and (NEWER_ARGUMENTS or name not in newer)
+    }
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, list[Any]]:
+    """Every scenario, in one job: name -> each rank's result."""
+    ranks = run_job(__file__, "cases", tmp_path_factory.mktemp("drop_in_cases"), timeout=150)
+    return {name: [rank[name] for rank in ranks] for name in ranks[0]}
+
+
+@needs_torch_2_13
+def test_buffer_broadcasts_follow_torchs_arguments(results):
+    first, second = results["buffer_sync_rules"]
+    assert second["{'broadcast_buffers': False}"] == [1.0] * 3, "construction left them alone"
+    assert second["{'forward_sync_buffers': False}"] == [0.0] * 3, "construction broadcast"
+    assert second["{'init_sync': False}"] == [1.0] * 3
+    assert second["{}"] == first["{}"] == [0.0] * 3
+
+
+def test_ignored_parameters_and_buffers_stay_local(results):
+    first, second = results["ignored_parameters_and_buffers"]
+    assert (first["counter"], second["counter"]) == ([0.0] * 3, [1.0] * 3)
+    assert first["weight"] != second["weight"]
+
+
+@needs_torch_2_13
+def test_device_mesh_delayed_allreduce_and_skipped_unused_match_torch(results):
+    assert results["device_mesh_delayed_and_skipped"] == [{}, {}]
+
+
+def test_mixed_dtypes_tied_reused_and_strided_parameters_match_torch(results):
+    assert results["unusual_models"] == [{}, {}]
+
+
+def test_a_layer_frozen_after_wrapping_is_unused_as_in_torch(results):
+    assert all(r["grad"] for r in results["frozen_after_wrapping"])
+
+
+def test_a_parameter_used_only_while_accumulating_is_averaged_as_in_torch(results):
+    assert all(r["extra"] for r in results["unused_only_at_the_averaging_step"])
+
+
+def test_a_second_backward_through_an_averaged_forward_raises(results):
+    for rank in results["backward_twice_raises"]:
+        assert len(rank["errors"]) == 2
+        assert all("already averaged" in error for error in rank["errors"])
+
+
+def test_join_with_no_sync_and_with_a_comm_hook_matches_torch_and_low_precision_ends(results):
+    low = results["join_cases"]
+    assert low[0]["iterations"] == low[1]["iterations"] == 4
+    assert low[0]["first"] == low[1]["first"], "the last joiner's parameters reach every rank"
+    assert [(r["early ours"], r["early torch"]) for r in low] == [(2, 2), (2, 2)]
+
+
+if __name__ == "__main__":
+    worker_main(SCENARIOS)
