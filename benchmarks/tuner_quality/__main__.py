@@ -84,9 +84,9 @@ def sweep() -> list[Tuner]:
         _variant("no confirmation", confirm_top=0),
         _variant("confirm_top=3", confirm_top=3),
         _variant("confirm_margin=0.05", confirm_margin=0.05),
-        _variant("design whole range", {"design_max_buckets_2p": None}),
-        _variant("design<=2^12", {"design_max_buckets_2p": 12}),
-        _variant("design<=2^6", {"design_max_buckets_2p": 6}),
+        _variant("whole range", {"max_buckets_2p": None}),
+        _variant("<=2^12 buckets", {"max_buckets_2p": 12}),
+        _variant("<=2^6 buckets", {"max_buckets_2p": 6}),
         _variant("not cost-aware", {"cost_aware": False}),
         _variant("no early end", early_end_windows=0),
     ]

@@ -185,11 +185,11 @@ class OptimizerSettings:
     stop_min_share: float = setting(
         0.5, "share of max_samples measured before an early stop", _number(0.0, 1.0)
     )
-    design_max_buckets_2p: int | None = setting(
+    max_buckets_2p: int | None = setting(
         8,
-        "the greedy maximin design keeps to bucket sizes that split the gradients into at most "
-        "2**this buckets (a prior from the gradient bytes alone; none: the whole range); the "
-        "Bayesian phase searches the whole range",
+        "the search (initial design and Bayesian phase) keeps to bucket sizes that split the "
+        "gradients into at most 2**this buckets, a prior from the gradient bytes alone (none: "
+        "the whole range); the default group is measured wherever it lies",
         _optional(_integer(0, 48)),
     )
     cost_aware: bool = setting(

@@ -72,7 +72,7 @@ class GroupOptimizer:
         self._scores: dict[Hyperparameters, float] = {}
         self._model: GaussianProcessRegressor | None = None
         self._design = self._initial_design()
-        self._design_sizes = _design_bounds(space, settings.design_max_buckets_2p)
+        self._prior_sizes = _prior_bounds(space, settings.max_buckets_2p)
 
     @property
     def scores(self) -> dict[Hyperparameters, float]:
@@ -88,8 +88,8 @@ class GroupOptimizer:
         self._model = None  # refitted when next asked
 
     def suggest(self, cost: Callable[[np.ndarray], np.ndarray] | None = None) -> Suggestion | None:
-        """The unmeasured group to measure next, or None once every group has been measured.
-        Needs at least one score.
+        """The unmeasured group to measure next, or None once every group within the prior
+        (``max_buckets_2p``) has been measured. Needs at least one score.
 
         ``cost`` maps each candidate's predicted slowdown against the incumbent (predicted
         step time over the incumbent's, >= 0) to the relative cost of measuring it; the
@@ -98,7 +98,12 @@ class GroupOptimizer:
         long) is left alone."""
         if not self._scores:
             raise RuntimeError("tell the optimizer a score before asking it for a group")
-        unmeasured = [i for i, hp in enumerate(self._groups) if hp not in self._scores]
+        low, high = self._prior_sizes
+        unmeasured = [
+            i
+            for i, hp in enumerate(self._groups)
+            if hp not in self._scores and low <= hp.bucket_size_2p <= high
+        ]
         if not unmeasured:
             return None
         if len(self._scores) < self._settings.initial_points:
@@ -177,19 +182,19 @@ class GroupOptimizer:
         return [self._space.complete(list(point)) for point in points]
 
     def _next_initial(self, unmeasured: list[int]) -> Hyperparameters:
+        """The next group of the initial design, one of the ``unmeasured`` (within the prior)."""
+        allowed = {self._groups[i] for i in unmeasured}
         for hp in self._design:
-            if hp not in self._scores:
+            if hp in allowed:
                 return hp
         # Greedy maximin: the unmeasured group farthest from every measured one, where the
-        # edges of the design's bucket range count as measured groups mirrored beyond them.
+        # edges of the prior's bucket range count as measured groups mirrored beyond them.
         # Plain maximin on a line goes to its ends first, which hold the optimum no more
         # often than any other stretch (the random draws put it anywhere); mirrored, the
         # points land at the middles of equal stretches, as a centred Latin hypercube's do.
         # Sampled designs fall back to it once their points are used up or repeat measured
         # groups.
-        low, high = self._design_sizes
-        inside = [i for i in unmeasured if low <= self._groups[i].bucket_size_2p <= high]
-        unmeasured = inside or unmeasured
+        low, high = self._prior_sizes
         measured = self._transformed[[i for i, hp in enumerate(self._groups) if hp in self._scores]]
         candidates = self._transformed[unmeasured]
         distances = np.linalg.norm(candidates[:, None, :] - measured[None, :, :], axis=2).min(
@@ -205,8 +210,8 @@ class GroupOptimizer:
         return self._groups[unmeasured[int(self._rng.choice(farthest))]]
 
 
-def _design_bounds(space: SearchSpace, max_buckets_2p: int | None) -> tuple[float, float]:
-    """The bucket sizes (log2) the initial design draws from: the whole range, or with
+def _prior_bounds(space: SearchSpace, max_buckets_2p: int | None) -> tuple[float, float]:
+    """The bucket sizes (log2) the search keeps to: the whole range, or with
     ``max_buckets_2p`` those that split the gradients into at most 2**max_buckets_2p buckets
     (the space's top is the first power of two at or above the gradient bytes)."""
     low, high = space.min_bucket_size_2p, space.max_bucket_size_2p

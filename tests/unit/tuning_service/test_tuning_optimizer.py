@@ -112,8 +112,33 @@ def test_the_initial_design_keeps_to_at_most_2_to_the_8_buckets_or_covers_the_ra
     assert len(design) == 3
     assert all(22 <= hp.bucket_size_2p <= 30 for hp in design)
     assert {hp.is_hierarchical_reduce for hp in design} == {False, True}
-    whole = _initial_design(OptimizerSettings(design_max_buckets_2p=None), seed)
+    whole = _initial_design(OptimizerSettings(max_buckets_2p=None), seed)
     assert min(hp.bucket_size_2p for hp in whole) < 22
+
+
+def _search(settings: OptimizerSettings, limit: int) -> list[Hyperparameters]:
+    """The groups the optimizer proposes, up to ``limit`` or until it says nothing is left, on
+    a landscape whose best group is the smallest bucket (2^16 B: 2^14 buckets of a 2^30-byte
+    model)."""
+    optimizer = GroupOptimizer(LARGE, settings, seed=0)
+    optimizer.tell(LARGE.default, 1.0)
+    proposed: list[Hyperparameters] = []
+    while len(proposed) < limit and (suggestion := optimizer.suggest()) is not None:
+        hp = suggestion.hyperparameters
+        proposed.append(hp)
+        optimizer.tell(hp, 100.0 / (1 + hp.bucket_size_2p - 16))
+    return proposed
+
+
+def test_the_bayesian_phase_keeps_to_the_prior_and_stops_when_it_is_measured():
+    """At most 2^4 buckets of a 2^30-byte model: buckets of 2^26 to 2^30, both shapes, 10
+    groups; the search measures them all and no other, however the scores point below. With
+    the prior off it goes there."""
+    within = _search(OptimizerSettings(max_buckets_2p=4), limit=20)
+    assert len(within) == len(set(within)) == 10  # the default (2^25 B) lies below the prior
+    assert all(hp.bucket_size_2p >= 26 for hp in within)
+    whole = _search(OptimizerSettings(max_buckets_2p=None), limit=6)
+    assert min(hp.bucket_size_2p for hp in whole) < 26
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -121,7 +146,7 @@ def test_the_initial_design_spreads_over_the_middles_of_the_range_not_its_ends(s
     """Greedy maximin with the range's ends mirrored: the first point on the other shape lies
     at the middle of the range, and none at its ends, which hold the optimum no more often
     than any other stretch."""
-    whole = _initial_design(OptimizerSettings(design_max_buckets_2p=None, initial_points=6), seed)
+    whole = _initial_design(OptimizerSettings(max_buckets_2p=None, initial_points=6), seed)
     assert len(whole) == 5
     assert whole[0] == Hyperparameters(23, True)  # the middle of 2^16..2^30
     assert all(16 < hp.bucket_size_2p < 30 for hp in whole)
@@ -133,8 +158,8 @@ def test_the_initial_design_spreads_over_the_middles_of_the_range_not_its_ends(s
     "change, message",
     [
         ({"acquisition": "UCB"}, "acquisition must be one of EI, PI, LCB; got 'UCB'"),
-        ({"design_max_buckets_2p": -1}, r"design_max_buckets_2p must be in \[0, 48\]"),
-        ({"design_max_buckets_2p": 1.5}, "design_max_buckets_2p must be an integer"),
+        ({"max_buckets_2p": -1}, r"max_buckets_2p must be in \[0, 48\]"),
+        ({"max_buckets_2p": 1.5}, "max_buckets_2p must be an integer"),
     ],
 )
 def test_bad_settings_are_refused_by_name(change, message):
