@@ -261,9 +261,9 @@ class TuningConfig:
         0.03, "runners-up within this fraction of the best are confirmed", _number(0.0, 1.0)
     )
     close_call_time: float = setting(
-        3.0,
+        5.0,
         "a sample re-measuring the best group or the default because the best's gain is not "
-        "yet measurable runs this many times sampling_confidence_time",
+        "yet measurable runs this many times sampling_confidence_time and min_windows",
         _number(1.0, 100.0),
     )
     max_models: int = setting(

@@ -508,18 +508,22 @@ class TuningSession:
         from groups measured in several samples, the spread of their sample means less what
         the window noise explains (0 until a group has two such samples). A group other than
         the default was measured again because its first sample scored high, partly by luck:
-        that sample would inflate the spread, so only the later ones count."""
+        that sample would inflate the spread, so only the later ones count.
+
+        Unbiased: about their own centre, ``k`` sample means scatter by ``(k - 1) / k`` of
+        their variances summed, the samples' spread and each one's window noise alike."""
         excess, freedom = 0.0, 0
         for hp, measured in self._measurements.items():
             means = measured.sample_means
             if hp != self.space.default:
                 means = means[1:]
             if len(means) >= 2:
+                k = len(means)
                 centre = statistics.fmean(m for m, _ in means)
                 for mean, count in means:
                     noise = window_sigma**2 * trimmed_variance_factor(count) / count
-                    excess += (mean - centre) ** 2 - noise
-                freedom += len(means) - 1
+                    excess += (mean - centre) ** 2 - noise * (k - 1) / k
+                freedom += k - 1
         return math.sqrt(max(0.0, excess / freedom)) if freedom else 0.0
 
     def _gain_interval(

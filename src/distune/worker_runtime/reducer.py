@@ -405,12 +405,16 @@ class Reducer:
                     "backward (a parameter used in several reentrant checkpoints is not "
                     "supported: use torch.utils.checkpoint with use_reentrant=False)"
                 )
-            param = self._params[index]
-            if (param.dtype, param.device) != self._keys[index]:
-                self._raise_converted(index)
-            grad = param.grad  # set: the hook runs after accumulation
-            if grad is not None and grad is not self._views[index]:
-                self._check_not_shared(index, grad)
+            grad = self._params[index].grad  # set: the hook runs after accumulation
+            if grad is self._views[index]:
+                # .half()/.to() after wrapping converts .grad in place through .data: still
+                # this view object, no longer the bucket's memory. (A .grad that is not the
+                # view is copied into the bucket, and assigning it back fails loudly.)
+                dtype, device = self._keys[index]
+                if grad.dtype is not dtype or grad.device != device:
+                    self._raise_converted(index)
+            elif grad is not None and grad._base is not None:
+                self._check_not_shared(index, grad)  # a view: of another wrapper's bucket?
             if grad is not None and grad.is_sparse:
                 raise ReductionError(
                     f"parameter {self._names[index]!r} has a sparse gradient; distune averages "
@@ -422,8 +426,6 @@ class Reducer:
     def _raise_converted(self, index: int) -> None:
         param = self._params[index]
         dtype, device = self._keys[index]
-        # .half()/.to() after wrapping also converts a .grad in place, detaching it from its
-        # bucket: its gradients would stay local.
         raise ReductionError(
             f"parameter {self._names[index]!r} is {param.dtype} on {param.device} but was "
             f"{dtype} on {device} when it was wrapped (model.half() or .to() after wrapping): "
@@ -434,8 +436,7 @@ class Reducer:
         """Raise if ``grad`` is a view of the bucket of another reducer averaging this backward:
         two wrappers share the parameter, and the second would average (and divide) what the
         first is still averaging."""
-        base = grad._base
-        owner = None if base is None else getattr(base, _OWNER, None)
+        owner = getattr(grad._base, _OWNER, None)
         other = None if owner is None else owner()
         if other is not None and other is not self and other.armed:
             raise ReductionError(

@@ -196,8 +196,8 @@ class TestHonestGain:
     def test_nothing_measurably_faster_completes_on_the_default_and_says_so(self):
         rng = random.Random(5)
         s = session(max_samples=6)
-        # Hierarchical 1% faster: within the noise of the windows six samples hold.
-        run(s, lambda hp: 101.0 if hp.is_hierarchical_reduce else 100.0, rng, 0.04)
+        # Hierarchical 0.5% faster: within the noise of the windows six samples hold.
+        run(s, lambda hp: 100.5 if hp.is_hierarchical_reduce else 100.0, rng, 0.04)
         assert s.view.state is State.COMPLETED
         assert s.view.current.hyperparameters == FLAT
         best = s.view.best
