@@ -1,11 +1,11 @@
 """Tuner quality on synthetic and measured landscapes; no torch, no processes.
 
     .venv/bin/python -m benchmarks.tuner_quality --draw held-out --seeds 20 --jobs 2 \
-        --sweep --only "distune,random,grid,bagua,horovod,design whole range" \
+        --sweep --only "distune,random,grid,bagua,horovod,whole range" \
         --plot docs/images/bench_tuner_random_draw.png            # the issue-14 table
     .venv/bin/python -m benchmarks.tuner_quality --draw training --quick   # while iterating
     .venv/bin/python -m benchmarks.tuner_quality --draw training --quick --sweep \
-        --only "distune,design whole range,design<=2^6"          # settings, training draw only
+        --only "distune,whole range,<=2^6 buckets"              # settings, training draw only
     .venv/bin/python -m benchmarks.tuner_quality --jobs 2 --plot docs/images/bench_tuner_quality.png
     .venv/bin/python -m benchmarks.tuner_quality --sweep   # and variants of the settings
     .venv/bin/python -m benchmarks.tuner_quality --sweep --only distune,acq=PI  # one variant
