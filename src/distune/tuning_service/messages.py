@@ -58,7 +58,9 @@ def _object(data: Any, allowed: tuple[str, ...], required: tuple[str, ...]) -> M
     return data
 
 
-def _integer(name: str, value: Any, low: int, high: int) -> int:
+def integer_field(name: str, value: Any, low: int, high: int) -> int:
+    """``value`` as an integer in [``low``, ``high``], or a RequestError naming field ``name``
+    (shared by every message of the REST API, so a count is checked one way)."""
     try:
         return integer_in(value, low, high)
     except InvalidValue as error:
@@ -86,9 +88,9 @@ class Registration:
     def from_json(cls, data: Any) -> Registration:
         """Parse a request body; raises RequestError naming the field at fault."""
         body = _object(data, cls.FIELDS, cls.FIELDS[:4])
-        counts = {name: _integer(name, body[name], 1, 2**62) for name in cls.FIELDS[:3]}
+        counts = {name: integer_field(name, body[name], 1, 2**62) for name in cls.FIELDS[:3]}
         # A bucket holds at most 2**48 bytes (Hyperparameters' limit), so must the model.
-        counts["gradient_bytes"] = _integer("gradient_bytes", body["gradient_bytes"], 1, 2**48)
+        counts["gradient_bytes"] = integer_field("gradient_bytes", body["gradient_bytes"], 1, 2**48)
         try:
             facts = ModelFacts(**counts)
         except HyperparameterError as error:
@@ -120,12 +122,12 @@ class Report:
     FIELDS = ("group_id", "train_iter", "iterations", "seconds", "samples")
 
     def __post_init__(self) -> None:
-        _integer("group_id", self.group_id, 0, MAX_COUNT)
-        _integer("train_iter", self.train_iter, 0, MAX_COUNT)
-        _integer("iterations", self.iterations, 1, MAX_COUNT)
+        integer_field("group_id", self.group_id, 0, MAX_COUNT)
+        integer_field("train_iter", self.train_iter, 0, MAX_COUNT)
+        integer_field("iterations", self.iterations, 1, MAX_COUNT)
         object.__setattr__(self, "seconds", _seconds("seconds", self.seconds))
         if self.samples is not None:
-            _integer("samples", self.samples, 1, MAX_COUNT)
+            integer_field("samples", self.samples, 1, MAX_COUNT)
         if self.rate > MAX_RATE:
             field = "iterations" if self.samples is None else "samples"
             raise RequestError(

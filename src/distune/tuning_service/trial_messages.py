@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from distune.checks import InvalidValue, integer_in, number_in
-from distune.tuning_service.messages import RequestError
+from distune.checks import InvalidValue, number_in
+from distune.tuning_service.messages import RequestError, integer_field
 from distune.tuning_service.trials.trial_result import METRICS, OUTCOMES
 
 #: The most trials (and nodes) one tuning may have: far above any real search.
@@ -42,13 +42,6 @@ def _object(data: Any, where: str, allowed: tuple[str, ...], required: tuple[str
         if name not in data:
             raise RequestError(name if where == "body" else f"{where}.{name}", "missing")
     return data
-
-
-def _integer(name: str, value: Any, low: int, high: int) -> int:
-    try:
-        return integer_in(value, low, high)
-    except InvalidValue as error:
-        raise RequestError(name, str(error)) from None
 
 
 def _optional_object(name: str, value: Any) -> dict[str, Any] | None:
@@ -92,7 +85,9 @@ class TrialKnobs:
         for name, high in (("micro_batch", 2**31), ("accumulation", 2**31), ("stage", 3)):
             value = body.get(name)
             low = 0 if name == "stage" else 1
-            values[name] = None if value is None else _integer(f"{where}.{name}", value, low, high)
+            values[name] = (
+                None if value is None else integer_field(f"{where}.{name}", value, low, high)
+            )
         for name in ("checkpointing", "bf16"):
             value = body.get(name)
             if value is not None and not isinstance(value, bool):
@@ -131,11 +126,11 @@ class TrialSpec:
                 "purpose", f"must match {PURPOSE_PATTERN.pattern} (e.g. search), got {purpose!r}"
             )
         return cls(
-            trial=_integer("trial", body["trial"], 0, MAX_TRIAL),
-            nnodes=_integer("nnodes", body["nnodes"], 1, MAX_NODES),
+            trial=integer_field("trial", body["trial"], 0, MAX_TRIAL),
+            nnodes=integer_field("nnodes", body["nnodes"], 1, MAX_NODES),
             purpose=purpose,
             knobs=TrialKnobs.from_json(body["knobs"]),
-            master_port=_integer("master_port", body["master_port"], 1, 65535),
+            master_port=integer_field("master_port", body["master_port"], 1, 65535),
             config=_optional_object("config", body.get("config")),
             metric=_choice("metric", body.get("metric", METRICS[0]), METRICS),
         )
@@ -194,7 +189,7 @@ class NodeReport:
             measurements=_optional_object("measurements", body.get("measurements")),
             peak_memory_bytes=None
             if peak is None
-            else _integer("peak_memory_bytes", peak, 0, 2**62),
+            else integer_field("peak_memory_bytes", peak, 0, 2**62),
             stopped=stopped,
         )
 
@@ -228,7 +223,7 @@ class TrialRecord:
                 raise RequestError(
                     name, "missing (a trials.jsonl record has trial, config, outcome)"
                 )
-        if _integer("trial", body["trial"], 0, MAX_TRIAL) != trial:
+        if integer_field("trial", body["trial"], 0, MAX_TRIAL) != trial:
             raise RequestError(
                 "trial", f"the record is of trial {body['trial']}, posted to {trial}"
             )
@@ -243,7 +238,7 @@ class TrialRecord:
                     raise RequestError(name, str(error)) from None
         for name in ("peak_memory_bytes", "predicted_memory_bytes"):
             if body.get(name) is not None:
-                _integer(name, body[name], 0, 2**62)
+                integer_field(name, body[name], 0, 2**62)
         for name in ("purpose", "error", "strategy", "log_path"):
             if body.get(name) is not None and not isinstance(body[name], str):
                 raise RequestError(name, f"must be a string or null, got {body[name]!r:.40}")
@@ -271,7 +266,7 @@ class TrialsFinish:
             raise RequestError("knobs", "give both chosen and knobs, or neither (nothing chosen)")
         return cls(
             mode=_choice("mode", body["mode"], MODES),
-            chosen=None if chosen is None else _integer("chosen", chosen, 0, MAX_TRIAL),
+            chosen=None if chosen is None else integer_field("chosen", chosen, 0, MAX_TRIAL),
             knobs=None if knobs is None else TrialKnobs.from_json(knobs),
         )
 
@@ -301,4 +296,4 @@ class TrialsStop:
         reason = body["reason"]
         if not (isinstance(reason, str) and 0 < len(reason) <= 200):
             raise RequestError("reason", f"must be a string of 1 to 200 characters, got {reason!r}")
-        return cls(_integer("node_rank", body["node_rank"], 0, MAX_NODES - 1), reason)
+        return cls(integer_field("node_rank", body["node_rank"], 0, MAX_NODES - 1), reason)
