@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
 import sys
 import time
@@ -33,10 +32,12 @@ from benchmarks.tuner_quality.compare import (
     compare,
     coverage_table,
     gain_claim_table,
+    load_runs,
     per_landscape_table,
     percentile_plot,
     percentile_table,
     plot,
+    save_runs,
     summary_table,
 )
 from benchmarks.tuner_quality.landscapes import Landscape, standard_suite
@@ -123,18 +124,6 @@ def _landscapes(args: argparse.Namespace) -> tuple[list[Landscape], NoiseModel]:
     return landscapes, noise
 
 
-def _load_runs(paths: list[str]) -> list[Run]:
-    """The runs saved in ``paths`` by ``--json``."""
-    runs = []
-    for path in paths:
-        with open(path, encoding="utf-8") as file:
-            for saved in json.load(file):
-                runs.append(
-                    Run(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
-                )
-    return runs
-
-
 def _seeds_per_tuner(runs: list[Run]) -> str:
     """How many seeds each tuner ran, e.g. "20 seeds (bagua 5)"."""
     counts: dict[str, set[int]] = {}
@@ -210,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     landscapes, noise = _landscapes(args)
     started = time.perf_counter()
     if args.runs:
-        runs = _load_runs(args.runs)
+        runs = load_runs(args.runs)
     else:
         mine = [t for t in tuners if t.name == "distune"]
         others = [t for t in tuners if t.name != "distune"]
@@ -255,8 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             percentile_plot(runs, args.plot, f"{what}: {len(landscapes)} landscapes x {seeds}")
         if args.json:
-            with open(args.json, "w", encoding="utf-8") as file:
-                json.dump([dataclasses.asdict(run) for run in runs], file)
+            save_runs(runs, args.json)
         return 0
     print(summary_table(runs, checkpoints))
     claims = gain_claim_table(runs, checkpoints)
@@ -269,8 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         title = f"{len(landscapes)} landscapes x {args.seeds} seeds"
         plot(runs, args.plot, title)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as file:
-            json.dump([dataclasses.asdict(run) for run in runs], file)
+        save_runs(runs, args.json)
     return 0
 
 

@@ -9,6 +9,8 @@ within 2% of the oracle.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import statistics
 from collections.abc import Sequence
@@ -366,3 +368,22 @@ def percentile_plot(runs: Sequence[Run], path: Path, title: str) -> None:
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
+
+
+def save_runs(runs: Sequence[Run], path: str) -> None:
+    """Write ``runs`` to ``path`` as JSON, for ``load_runs`` to join with runs of other
+    processes."""
+    with open(path, "w", encoding="utf-8") as file:
+        json.dump([dataclasses.asdict(run) for run in runs], file)
+
+
+def load_runs(paths: Sequence[str]) -> list[Run]:
+    """The runs saved in ``paths`` by ``save_runs``."""
+    runs = []
+    for path in paths:
+        with open(path, encoding="utf-8") as file:
+            for saved in json.load(file):
+                runs.append(
+                    Run(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
+                )
+    return runs

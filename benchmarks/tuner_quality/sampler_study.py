@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import statistics
 import sys
@@ -41,7 +40,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from benchmarks.tuner_quality.__main__ import DRAW_NOISE
-from benchmarks.tuner_quality.compare import compare, percentile_table
+from benchmarks.tuner_quality.compare import compare, percentile_table, save_runs
 from benchmarks.tuner_quality.landscapes import Landscape
 from benchmarks.tuner_quality.measurement import NoiseModel
 from benchmarks.tuner_quality.random_clusters import HELD_OUT_SEED, TRAINING_SEED, draw
@@ -234,8 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{time.perf_counter() - started:.0f} s with {args.jobs} job(s)\n")
     print(percentile_table(runs, budgets))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as file:
-            json.dump([dataclasses.asdict(run) for run in runs], file)
+        save_runs(runs, args.json)
     return 0
 
 
