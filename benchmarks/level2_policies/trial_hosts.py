@@ -17,14 +17,19 @@ from benchmarks.testbed.network import Node, Testbed
 from benchmarks.testbed.node_jobs import run_on_nodes
 from distune.launcher.level2 import free_port
 from distune.launcher.options import parse
-from distune.launcher.trial_runner import TrialRun, TrialRunner, classify
+from distune.launcher.trial_runner import (
+    TrialRun,
+    TrialRunner,
+    classify,
+    read_json_object,
+    read_log_tail,
+)
 from distune.trial_settings import TrialSettings
 from distune.tuning_service.trials.trial_result import OK
 from distune.worker_settings import WorkerSettings
 
 #: Rendezvous ports of testbed trials: a fresh one each (node 0's namespace has its own ports).
 _FIRST_PORT = 29600
-_LOG_TAIL_LINES = 12
 
 
 def testbed_environment() -> dict[str, str]:
@@ -44,14 +49,6 @@ class LocalTrials:
     def run(self, index: int, settings: TrialSettings, script_args: list[str]) -> TrialRun:
         """Run trial ``index`` with level 2's runner (watchdog, stop by ids, classify)."""
         return self.runner.run(index, settings, script_args, free_port())
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 class TestbedTrials:
@@ -111,11 +108,10 @@ class TestbedTrials:
         timed_out = any(r.stopped == "timeout" for r in results)
         failed = [r.returncode for r in results if r.returncode != 0 and r.stopped is None]
         exit_code = failed[0] if failed else (0 if all(r.ok for r in results) else 1)
-        reports = [r for p in sorted(trial_dir.glob("rank*.json")) if (r := _read_json(p))]
-        result = _read_json(trial_dir / "result.json")
+        reports = [r for p in sorted(trial_dir.glob("rank*.json")) if (r := read_json_object(p))]
+        result = read_json_object(trial_dir / "result.json")
         log_path = results[0].output
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:])
-        outcome, error = classify(exit_code, timed_out, reports, result, tail)
+        outcome, error = classify(exit_code, timed_out, reports, result, read_log_tail(log_path))
         return TrialRun(
             outcome=outcome,
             exit_code=exit_code,

@@ -61,7 +61,9 @@ class TrialRun:
     stopped: str | None = None
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def read_json_object(path: Path) -> dict[str, Any] | None:
+    """The JSON object a rank wrote at ``path``, or None where it is missing, half-written or
+    not an object (a rank may die mid-write; the caller classifies what is there)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -140,7 +142,9 @@ def _belongs(pid: int, trial_dir: Path) -> bool:
         return False
 
 
-def _log_tail(path: Path) -> str:
+def read_log_tail(path: Path) -> str:
+    """The last lines of a trial's log (empty where it cannot be read): what a crash's error
+    carries, so the user sees the failing rank's traceback without opening the log."""
     with contextlib.suppress(OSError):
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
         return "\n".join(lines[-_LOG_TAIL_LINES:])
@@ -211,10 +215,10 @@ class TrialRunner:
                 if process.poll() is None:
                     self._stop(process, trial_dir)
         exit_code = process.returncode
-        reports = [r for p in sorted(trial_dir.glob("rank*.json")) if (r := _read_json(p))]
-        result = _read_json(trial_dir / "result.json")
+        reports = [r for p in sorted(trial_dir.glob("rank*.json")) if (r := read_json_object(p))]
+        result = read_json_object(trial_dir / "result.json")
         outcome, error = classify(
-            exit_code, timed_out, reports, result, _log_tail(log_path), self.node_rank == 0
+            exit_code, timed_out, reports, result, read_log_tail(log_path), self.node_rank == 0
         )
         peaks = [int(r["peak_memory_bytes"]) for r in reports if r.get("peak_memory_bytes")]
         return TrialRun(
@@ -244,7 +248,7 @@ class TrialRunner:
         last_steps, last_change = None, time.monotonic()
         last_asked = last_change
         while process.poll() is None:
-            data = _read_json(progress)
+            data = read_json_object(progress)
             steps = data.get("steps") if data else None
             now = time.monotonic()
             if steps != last_steps:
