@@ -263,6 +263,42 @@ def backward_twice_raises(out: Path) -> dict:
     return {"errors": errors}
 
 
+class Halves(nn.Module):
+    """Two layers; ``use`` says which the forward runs: ``"a"``, ``"b"``, ``"both"``, or
+    ``"none"`` (the input times two: no parameter at all)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(12, 5)
+        self.b = nn.Linear(12, 5)
+        self.use = "both"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use == "none":
+            return x[:, :5] * 2
+        return sum(getattr(self, name)(x) for name in "ab" if self.use in (name, "both"))
+
+
+@scenario
+def ranks_reaching_different_parameters(out: Path) -> dict:
+    """Rank 0 uses layer a, rank 1 layer b (as torch's ``find_unused_parameters=True``); then
+    rank 1's forward uses no parameter: distune averages with its zeros, where torch's DDP
+    leaves rank 0 waiting (torch's reference: rank 1's loss times zero)."""
+    rank = dist.get_rank()
+    ours = distune.DistributedDataParallel(Halves())
+    ref = TorchDDP(Halves(), find_unused_parameters=True)
+    for step, uses in enumerate((("a", "b"), ("both", "none"), ("both", "both"))):
+        nothing = uses[rank] == "none"
+        for model in (ours, ref):
+            model.zero_grad()
+            model.module.use = "both" if model is ref and nothing else uses[rank]
+            loss = loss_of(model, batch(step).requires_grad_())
+            (loss * 0 if model is ref and nothing else loss).backward()
+        assert_grads_equal(ours, ref, f"step {step}, rank {rank} uses {uses[rank]}")
+    return {"iterations": ours._reducer.iterations}
+
+
 # -- uneven inputs --------------------------------------------------------------------------------
 
 
@@ -362,6 +398,10 @@ def test_a_second_backward_through_an_averaged_forward_raises(results):
     for rank in results["backward_twice_raises"]:
         assert len(rank["errors"]) == 2
         assert all("already averaged" in error for error in rank["errors"])
+
+
+def test_a_rank_reaching_no_parameter_averages_with_zeros_as_torch_would(results):
+    assert results["ranks_reaching_different_parameters"] == [{"iterations": 3}] * 2
 
 
 def test_join_with_no_sync_and_with_a_comm_hook_matches_torch_and_low_precision_ends(results):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +30,8 @@ from distune.space import Hyperparameters
 from distune.worker_runtime.algorithms.base import GradientExchange
 from distune.worker_runtime.buckets import Bucket, Slot, assign_buckets
 from distune.worker_runtime.topology import HierarchicalProcessGroups
+
+logger = logging.getLogger(__name__)
 
 #: Gradients of at least this many elements are divided while copied into their bucket.
 FUSED_DIVISION_MIN_NUMEL = 4096
@@ -111,12 +114,45 @@ def _on_grad_ready(reducer_ref: weakref.ref[Reducer], index: int, param: torch.T
         reducer._grad_ready(index)
 
 
+@dataclasses.dataclass
+class _WatchedForward:
+    """A forward that armed the reducer: what its output's hooks need to know."""
+
+    #: The reducer's averaged backward passes before this forward.
+    iterations: int
+    #: The autograd nodes of the output's tensors (where the graph of this forward ends).
+    nodes: list[Any]
+    #: Whether a backward has reached the output.
+    reached: bool = False
+
+
 def _on_output_grad(
-    reducer_ref: weakref.ref[Reducer], iterations_at_forward: int, grad: torch.Tensor
+    reducer_ref: weakref.ref[Reducer], forward: _WatchedForward, grad: torch.Tensor
 ) -> None:
     reducer = reducer_ref()
     if reducer is not None:
-        reducer._output_reached(iterations_at_forward)
+        reducer._output_reached(forward)
+
+
+def _accumulates_from(nodes: Sequence[Any]) -> bool:
+    """Whether the backward running now accumulates a gradient into some leaf reachable from
+    ``nodes`` (``backward()``, unlike ``autograd.grad``, which accumulates into none)."""
+    seen: set[int] = set()
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if hasattr(node, "variable"):  # an AccumulateGrad node: a leaf
+            try:
+                if torch._C._will_engine_execute_node(node):
+                    return True
+            except RuntimeError:
+                return False  # torch refuses the question inside autograd.grad(), which
+                # accumulates nothing
+        stack.extend(following for following, _ in node.next_functions)
+    return False
 
 
 def _tensors_in(output: Any) -> list[torch.Tensor]:
@@ -230,6 +266,11 @@ class Reducer:
         self._lock = threading.Lock()
         #: Whether the coming backward averages gradients (a forward outside no_sync armed it).
         self.armed = False
+        # Watched forwards whose output no backward reached yet (see watch), and whether that
+        # was reported; whether a look at the end of the running backward is queued.
+        self._unreached = 0
+        self._reported_unreached = False
+        self._output_backward_queued = False
         #: Synchronised backward passes completed: the iteration count sync points refer to.
         self.iterations = 0
         #: Runs after each synchronised backward, outside the lock (see :data:`IterationHook`).
@@ -369,21 +410,35 @@ class Reducer:
             if sync:
                 self.armed = True
             self._spares = []
+            self._output_backward_queued = False  # whatever backward queued it is over
 
     def watch(self, output: Any) -> None:
-        """Catch a later backward through ``output``, what a forward that armed the reducer
-        returned, once the reducer has averaged a backward since: its gradients would stay
-        local (torch DDP lets them), so the ranks would silently drift apart. That is a second
-        backward after one forward (``retain_graph=True``), or two forwards and a backward for
-        each. The check runs as that backward reaches ``output``, before any gradient."""
-        reference = weakref.ref(self)
-        for tensor in _tensors_in(output):
-            # Not on a leaf (a parameter returned as is): its hooks would outlive the forward.
-            if tensor.grad_fn is not None:
-                tensor.register_hook(partial(_on_output_grad, reference, self.iterations))
+        """Follow the backward through ``output``, what a forward that armed the reducer
+        returned (hooks on its tensors, which run as a backward reaches them):
 
-    def _output_reached(self, iterations_at_forward: int) -> None:
-        if self.iterations > iterations_at_forward:
+        * once the reducer has averaged a backward since this forward, a backward through
+          ``output`` raises before any gradient: its gradients would stay local (torch DDP
+          lets them), so the ranks would silently drift apart. That is a second backward
+          after one forward (``retain_graph=True``), or two forwards and a backward for each;
+        * a ``backward()`` through ``output`` that reaches none of the parameters (this rank's
+          forward used none, or its loss kept none of them) still averages, with zeros: the
+          other ranks' backward waits for this rank's buckets (torch's DDP leaves them waiting,
+          then pairs them with this rank's next backward);
+        * a forward whose output no backward reached before the next averaged backward is
+          logged once (see :meth:`_end_backward`).
+        """
+        tensors = [t for t in _tensors_in(output) if t.grad_fn is not None]
+        # Not on a leaf (a parameter returned as is): its hooks would outlive the forward.
+        if not tensors:
+            return
+        forward = _WatchedForward(self.iterations, [t.grad_fn for t in tensors])
+        self._unreached += 1
+        reference = weakref.ref(self)
+        for tensor in tensors:
+            tensor.register_hook(partial(_on_output_grad, reference, forward))
+
+    def _output_reached(self, forward: _WatchedForward) -> None:
+        if self.iterations > forward.iterations:
             raise ReductionError(
                 "a backward reached the output of a forward whose gradients were already "
                 "averaged by an earlier backward (two backward calls after one forward, or "
@@ -392,6 +447,26 @@ class Reducer:
                 "silently). Sum the losses into one backward, or run a forward before each "
                 "backward"
             )
+        if not forward.reached:
+            forward.reached = True
+            self._unreached -= 1
+        if self.armed and not self._active and not self._output_backward_queued:
+            # Backward reaches the output before any parameter: look again at its end.
+            self._output_backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(
+                partial(self._after_output_backward, forward.nodes)
+            )
+
+    def _after_output_backward(self, nodes: list[Any]) -> None:
+        """At the end of a backward that reached a watched output: if it reached none of the
+        parameters but accumulates into some leaf (``backward()``, not ``autograd.grad``),
+        take part in the other ranks' averaging with zeros, as if every parameter were
+        unused here."""
+        self._output_backward_queued = False
+        if self._active or not self.armed or not _accumulates_from(nodes):
+            return  # averaged by its own callback, or nothing for this wrapper to do
+        self._begin_backward(queue=False)
+        self._end_backward()
 
     def _grad_ready(self, index: int) -> None:
         with self._lock:
@@ -470,13 +545,15 @@ class Reducer:
         if grad is not view:
             param.grad = view
 
-    def _begin_backward(self) -> None:
+    def _begin_backward(self, queue: bool = True) -> None:
+        """Start averaging this backward; ``queue``: end it in a callback at its end."""
         self._active = True
         if self._params[0].device.type == "cuda":
             # As torch DDP does: remember the stream backward runs on, and make that stream (not
             # the host) wait for the buckets in the end-of-backward callback.
             self._stream = torch.cuda.current_stream(self._params[0].device)
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if queue:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _mark_ready(self, index: int) -> None:
         self._ready[index] = True
@@ -527,7 +604,25 @@ class Reducer:
                 self._reset_backward_state()
                 self.armed = False
             self.iterations += 1
+        self._report_unreached()
         self._after_iteration(ready_order)
+
+    def _report_unreached(self) -> None:
+        """Log once if a forward since the last averaged backward had no backward through its
+        output: where another rank ran one, the two ranks' averaging no longer pair up."""
+        unreached, self._unreached = self._unreached, 0
+        if unreached > 0 and not self._reported_unreached:
+            self._reported_unreached = True
+            logger.warning(
+                "%d forward(s) through DistributedDataParallel (with gradients, outside "
+                "no_sync) had no backward through their output before this averaged backward. "
+                "If another rank ran a backward for such a forward, its gradient averaging now "
+                "pairs with this rank's next backward, one iteration off, and the job hangs at "
+                "its end (as with torch's DDP). Run forwards that need no backward under "
+                "torch.no_grad(); on a rank with nothing to learn from a batch, call backward "
+                "on its output times zero (e.g. (model(x).sum() * 0).backward())",
+                unreached,
+            )
 
     def _queue_end(self, *_: Any) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)

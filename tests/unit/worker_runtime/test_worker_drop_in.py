@@ -457,3 +457,44 @@ def test_a_second_comm_hook_is_refused_as_torch_refuses_it(world):
         model.register_comm_hook(None, fp16_compress_hook)
         with pytest.raises(RuntimeError, match="can only be called once"):
             model.register_comm_hook(None, allreduce_hook)
+
+
+def test_a_backward_reaching_no_parameter_still_averages_but_autograd_grad_does_not(world):
+    """A ``backward()`` through the output that reaches no parameter takes part in the
+    averaging (with zeros), as the other ranks' backward needs; ``autograd.grad`` through the
+    output (a gradient penalty) accumulates nothing and stays out of it, as in torch."""
+    model = distune.DistributedDataParallel(mlp())
+    x = torch.randn(3, 16, requires_grad=True)
+    penalty = torch.autograd.grad(model(x).sum(), x, create_graph=True)[0].square().sum()
+    assert model._reducer.iterations == 0
+    (penalty + model(x).sum()).backward()
+    assert model._reducer.iterations == 1
+    model = distune.DistributedDataParallel(UsesNoParameter())
+    model(x).sum().backward()
+    assert model._reducer.iterations == 1
+    assert model.module.weight.grad is None, "unused on every rank: None, as in torch"
+
+
+class UsesNoParameter(nn.Module):
+    """A forward that uses none of the module's parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+def test_a_forward_without_backward_before_an_averaged_one_is_logged_once(world, caplog):
+    model = distune.DistributedDataParallel(mlp())
+    x = torch.randn(3, 16)
+    with caplog.at_level(logging.WARNING, logger="distune.worker_runtime.reducer"):
+        for _ in range(2):
+            model(x)  # no backward: the ranks' averaging would pair one iteration off
+            model(x).sum().backward()
+        a, b = model(x), model(x)
+        (a + b).sum().backward()
+    warnings_logged = [r for r in caplog.records if "had no backward" in r.message]
+    assert len(warnings_logged) == 1
+    assert "1 forward(s)" in warnings_logged[0].message
