@@ -299,6 +299,89 @@ def ranks_reaching_different_parameters(out: Path) -> dict:
     return {"iterations": ours._reducer.iterations}
 
 
+# -- torch's other arguments and usage ----------------------------------------------------------
+
+
+@scenario
+def graph_and_view_flags(out: Path) -> dict:
+    """``static_graph=True`` (with a parameter no rank uses) and ``gradient_as_bucket_view=True``
+    (gradients kept, not set to None, between steps) vs torch with the same flags."""
+    flags = {"static_graph": True}
+    ours = distune.DistributedDataParallel(WithSpare(), **flags)
+    train_both(ours, TorchDDP(WithSpare(), **flags), "static_graph")
+    flags = {"gradient_as_bucket_view": True}
+    ours, ref = (
+        distune.DistributedDataParallel(make_model(), **flags),
+        TorchDDP(make_model(), **flags),
+    )
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ours, ref)]
+    for step in range(3):
+        for model, optimizer in zip((ours, ref), optimizers, strict=True):
+            optimizer.zero_grad(set_to_none=False)
+            loss_of(model, batch(step)).backward()
+            optimizer.step()
+        assert_grads_equal(ours, ref, f"gradient_as_bucket_view, step {step}")
+    assert_params_equal(ours.module, ref.module, "gradient_as_bucket_view")
+    return {}
+
+
+class RunningScale(nn.Module):
+    """Divides by a running mean of ``|x|`` that each forward updates: a buffer read in
+    training (an observation normaliser), so its broadcasts show in the gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(()))
+        self.seen = 1.0  # the scale the last forward divided by
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = self.scale.item()
+        out = x / self.scale
+        with torch.no_grad():
+            self.scale.mul_(0.5).add_(0.5 * x.abs().mean() * (1 + dist.get_rank()))
+        return out
+
+
+def frozen_norm() -> nn.Module:
+    """A batch norm in eval mode (it saves its statistics for backward), rank-dependent ones."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(12, 8), nn.BatchNorm1d(8).eval(), nn.Linear(8, 5))
+    module[1].running_var.uniform_(1, 2 + dist.get_rank())
+    return module
+
+
+@scenario
+def buffers_by_torchs_forward_rule(out: Path) -> dict:
+    """Buffers are broadcast before a forward when the previous forward averaged, as torch
+    does: ``no_sync`` accumulation (at the first micro-batch), an evaluation forward under
+    ``torch.no_grad()`` after training (rank 0's statistics), a training forward after it
+    (none). Then a layer frozen, unfrozen again, between iterations. Then a buffer replaced
+    by one of another dtype: still broadcast here."""
+    ours = distune.DistributedDataParallel(nn.Sequential(RunningScale(), make_model()))
+    ref = TorchDDP(nn.Sequential(RunningScale(), make_model()), find_unused_parameters=True)
+    evaluations = []
+    for step, frozen in enumerate((False, True, False)):
+        for model in (ours, ref):
+            model.zero_grad()
+            model.module[1][0].requires_grad_(not frozen)
+            with model.no_sync():
+                loss_of(model, batch(10 + step)).backward()
+            loss_of(model, batch(step)).backward()
+            with torch.no_grad():
+                evaluations.append(model(batch(20 + step)))
+            loss_of(model, batch(30 + step)).backward()
+        assert_grads_equal(ours, ref, f"step {step}, first layer frozen: {frozen}")
+        torch.testing.assert_close(evaluations[-2], evaluations[-1], msg=f"evaluation {step}")
+    assert_buffers_equal(ours.module, ref.module, "after training")
+    pair = distune.DistributedDataParallel(frozen_norm()), TorchDDP(frozen_norm())
+    for model in pair:  # the second forward broadcasts the statistics the first one saved
+        (loss_of(model, batch(50)) + loss_of(model, batch(51))).backward()
+    assert_grads_equal(*pair, "two forwards through a frozen batch norm, one backward")
+    ours.module[0].scale = ours.module[0].scale.double()
+    loss_of(ours, batch(40)).backward()
+    return {"seen": ours.module[0].seen, "dtype": str(ours.module[0].scale.dtype)}
+
+
 # -- uneven inputs --------------------------------------------------------------------------------
 
 
@@ -402,6 +485,15 @@ def test_a_second_backward_through_an_averaged_forward_raises(results):
 
 def test_a_rank_reaching_no_parameter_averages_with_zeros_as_torch_would(results):
     assert results["ranks_reaching_different_parameters"] == [{"iterations": 3}] * 2
+
+
+def test_static_graph_and_gradient_as_bucket_view_match_torch(results):
+    assert results["graph_and_view_flags"] == [{}, {}]
+
+
+def test_buffers_follow_torchs_rule_and_a_buffer_of_a_new_dtype_is_still_broadcast(results):
+    first, second = results["buffers_by_torchs_forward_rule"]
+    assert first == second and first["dtype"] == "torch.float64"
 
 
 def test_join_with_no_sync_and_with_a_comm_hook_matches_torch_and_low_precision_ends(results):

@@ -72,8 +72,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     ``torch.distributed.init_process_group`` on every rank, call it for the forward, call
     ``backward()`` on the loss (it returns with gradients averaged over the ranks) and step the
     optimizer. Parameters and buffers are broadcast from rank 0 at construction, buffers again
-    before each forward that averages. The wrapped module is ``.module``, so ``state_dict()``
-    keys carry torch DDP's ``module.`` prefix.
+    before a forward that follows an averaging one (torch's rule). The wrapped module is
+    ``.module``, so ``state_dict()`` keys carry torch DDP's ``module.`` prefix.
 
     Args:
         module: the model; all its parameters on one device (CPU or one GPU).
@@ -133,6 +133,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._set_torch_attributes(arguments, ignored)
         #: torch DDP's flag: False inside :meth:`no_sync`.
         self.require_backward_grad_sync = True
+        #: torch DDP's flag: whether the last forward averaged (the next one then broadcasts
+        #: buffers); True before the first.
+        self.require_forward_param_sync = True
         backend = str(dist.get_backend(process_group))
         # Small collectives (topology, sync points, join) need CUDA tensors under NCCL.
         self._comm_device = self.device if "nccl" in backend else torch.device("cpu")
@@ -166,7 +169,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.find_unused_parameters: bool = values.get("find_unused_parameters", False)
         self.gradient_as_bucket_view: bool = values.get("gradient_as_bucket_view", False)
         self.static_graph: bool = values.get("static_graph", False)
-        #: Whether buffers are broadcast before each forward that averages (torch 2.13's name;
+        #: Whether buffers are broadcast before forwards, by torch's rule (torch 2.13's name;
         #: ``broadcast_buffers`` reads and sets it too).
         self.forward_sync_buffers = arguments.forward_sync_buffers
         #: Names of the parameters and buffers neither averaged nor broadcast.
@@ -213,6 +216,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             params = [p for _, p in named]
             self._averager = self.algorithm.model_averager(params, self._process_group())
             self.require_backward_grad_sync = False  # gradients stay local
+            self.require_forward_param_sync = False
 
     def _discover_topology(self) -> Topology:
         process_group = self._process_group()
@@ -375,30 +379,47 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module; gradients of the coming backward are averaged unless the
-        forward ran under :meth:`no_sync`. A second backward through this forward's output,
+        forward ran under :meth:`no_sync` or without gradients. Buffers are broadcast first by
+        torch's rule (:meth:`_sync_buffers`). A second backward through this forward's output,
         after its gradients were averaged, raises (see :meth:`.Reducer.watch`)."""
-        watched = None
-        if torch.is_grad_enabled():
-            reducer = self._runtime()
+        grad_enabled = torch.is_grad_enabled()
+        reducer = self._runtime() if grad_enabled else None
+        if reducer is not None:
             reducer.check_module(self.module)
             if self._averager is not None:
                 self._averager.before_forward()
-            averages = self.require_backward_grad_sync
-            source = 0
-            if self._join_config.enable:
-                Join.notify_join_context(self)
-                averages, source = forward_agreement(
-                    self._process_group(), self._comm_device, averages
-                )
-            if averages and self.broadcast_buffers and self._buffer_broadcast is not None:
-                self._buffer_broadcast(source)
-            reducer.prepare_for_forward(self.require_backward_grad_sync)
-            if self.require_backward_grad_sync:
-                watched = reducer
+        self._sync_buffers(grad_enabled)
+        averages = grad_enabled and self.require_backward_grad_sync
+        # torch's flag, read by the next forward: whether this one averages.
+        self.require_forward_param_sync = averages
+        if reducer is not None:
+            reducer.prepare_for_forward(averages)
         output = self.module(*args, **kwargs)
-        if watched is not None:
-            watched.watch(output)
+        if reducer is not None and averages:
+            reducer.watch(output)
         return output
+
+    def _sync_buffers(self, grad_enabled: bool) -> None:
+        """Broadcast the buffers from rank 0 before a forward, by torch's rule: when the
+        previous forward averaged (or this is the first), whatever this one does, so an
+        evaluation forward after a training one sees rank 0's statistics and a ``no_sync``
+        accumulation broadcasts at its first micro-batch. Under ``join()``: before each
+        forward that averages, from a rank still training, agreed with the joined ranks,
+        which shadow those forwards only (:mod:`.join`)."""
+        broadcast = self._buffer_broadcast
+        if self._join_config.enable:
+            if not grad_enabled:
+                return
+            Join.notify_join_context(self)
+            averages, source = forward_agreement(
+                self._process_group(), self._comm_device, self.require_backward_grad_sync
+            )
+            if averages and self.forward_sync_buffers and broadcast is not None:
+                broadcast(source)
+        elif (
+            self.require_forward_param_sync and self.forward_sync_buffers and broadcast is not None
+        ):
+            broadcast()
 
     def join(
         self,
@@ -466,6 +487,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         # A copy saved before torch 2.13's names: broadcast_buffers was an attribute.
         state.setdefault("forward_sync_buffers", state.pop("broadcast_buffers", True))
         state.setdefault("parameters_to_ignore", set())
+        state.setdefault("require_forward_param_sync", True)
         super().__setstate__(state)
         self.process_group = None
         self._reducer = self._sync = self._name_claim = None

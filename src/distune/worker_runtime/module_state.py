@@ -1,5 +1,5 @@
 """Copying rank 0's parameters and buffers to every rank: at construction, and buffers before
-each forward that averages (torch DDP's ``forward_sync_buffers=True``, formerly
+a forward that follows an averaging one (torch DDP's ``forward_sync_buffers=True``, formerly
 ``broadcast_buffers``).
 
 Tensors are broadcast a few large flat tensors at a time (one per dtype and device, at most
@@ -91,4 +91,8 @@ class BufferBroadcast:
                 else dist.get_global_rank(self._process_group, src_group_rank)
             )
             # Buffers are read each time: a buffer replaced by assignment is still broadcast.
-            broadcast_tensors(self._buffers(), self._process_group, src)
+            buffers = self._buffers()
+            # As torch's: an earlier forward may have saved a buffer for its backward (batch
+            # norm in eval mode); overwriting it must not fail that backward's version check.
+            with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+                broadcast_tensors(buffers, self._process_group, src)

@@ -12,8 +12,9 @@ it does in torch's DDP or needs no work here, for the reason beside it:
 * ``dim``: where torch's single-process multi-device mode splits inputs; it has no effect on a
   single-device module, in torch as here.
 * ``forward_sync_buffers`` (torch 2.13) and the older ``broadcast_buffers``: buffers are
-  broadcast from rank 0 before each forward that averages; torch's rule decides which one wins
-  and whether construction broadcasts buffers (``broadcast_buffers=False`` does not).
+  broadcast from rank 0 before a forward that follows an averaging one; torch's rule decides
+  which one wins and whether construction broadcasts buffers (``broadcast_buffers=False``
+  does not).
 * ``init_sync``: whether construction broadcasts rank 0's parameters (and buffers).
 * ``process_group``, ``device_mesh`` (a 1-D mesh: its group): the ranks gradients are averaged
   over.
