@@ -63,6 +63,11 @@ def read_token_file(path: str | os.PathLike[str]) -> str:
     return check_token(token, str(path))
 
 
+def bearer_headers(token: str | None) -> dict[str, str]:
+    """The HTTP headers that present ``token`` to the service: none without a token."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def token_from_environment(environ: Mapping[str, str]) -> str | None:
     """The token ``DISTUNE_SERVICE_TOKEN`` or ``DISTUNE_SERVICE_TOKEN_FILE`` gives, if any."""
     if environ.get(SERVICE_TOKEN):

@@ -22,6 +22,7 @@ from distune.errors import ServiceError
 from distune.service_auth import (
     SERVICE_TOKEN_FILE,
     TokenError,
+    bearer_headers,
     read_token_file,
     token_from_environment,
 )
@@ -89,9 +90,10 @@ class ServiceConnection:
         return self._checked(self._request(path), path)
 
     def _request(self, path: str) -> requests.Response:
-        headers = {} if self.token is None else {"Authorization": f"Bearer {self.token}"}
         try:
-            return requests.get(self.url + path, headers=headers, timeout=self.timeout)
+            return requests.get(
+                self.url + path, headers=bearer_headers(self.token), timeout=self.timeout
+            )
         except requests.RequestException as error:
             raise ServiceError(
                 f"cannot reach the tuning service at {self.url}: {_reason(error)}"

@@ -24,6 +24,7 @@ from urllib.parse import quote, urlsplit
 import requests
 
 from distune.errors import DistuneError
+from distune.service_auth import bearer_headers
 from distune.worker_settings import SERVICE_TOKEN
 
 HEALTH_PATH = "/api/v1/health"
@@ -143,7 +144,7 @@ class TuningServiceProcess:
         try:
             response = requests.get(
                 self.url + path,
-                headers={"Authorization": f"Bearer {self._token}"},
+                headers=bearer_headers(self._token),
                 timeout=timeout,
             )
             response.raise_for_status()

@@ -14,6 +14,7 @@ from typing import Any
 import requests
 
 from distune.errors import DistuneError, ServiceError
+from distune.service_auth import bearer_headers
 
 #: Seconds to wait for one answer; the service answers trial calls in microseconds.
 DEFAULT_TIMEOUT = 5.0
@@ -36,10 +37,10 @@ class TrialClient:
     timeout: float = DEFAULT_TIMEOUT
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        headers = {} if self.token is None else {"Authorization": f"Bearer {self.token}"}
         try:
             response = requests.request(
-                method, f"{self.url}/api/v1/trials{path}", json=body, headers=headers,
+                method, f"{self.url}/api/v1/trials{path}", json=body,
+                headers=bearer_headers(self.token),
                 timeout=self.timeout,
             )  # fmt: skip
         except requests.RequestException as error:

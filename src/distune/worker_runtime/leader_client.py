@@ -32,6 +32,7 @@ from urllib.parse import quote
 import requests
 
 from distune.errors import DistuneError, ServiceError
+from distune.service_auth import bearer_headers
 from distune.space import (
     MODEL_NAME_RULE,
     FixedKnobs,
@@ -116,7 +117,7 @@ class LeaderClient:
         self._base = f"{url.rstrip('/')}/api/v1/models/{quote(check_model_name(name), safe='')}"
         self._url = url
         self._name = name
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._headers = bearer_headers(token)
         self._registration: dict[str, Any] = {
             "world_size": facts.world_size,
             "nnodes": facts.nnodes,
