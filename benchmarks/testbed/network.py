@@ -295,13 +295,14 @@ class Testbed:
         machine = socket.gethostname()
         for node in nodes:
             self._add_namespace(iproute, node.namespace)
-            hosts = ["127.0.0.1 localhost", "::1 localhost"]
-            hosts += [
+            # The namespace's /etc/hosts: every node by name, this one by the machine's too.
+            host_lines = ["127.0.0.1 localhost", "::1 localhost"]
+            host_lines += [
                 f"{other.address} node{other.rank}" + (f" {machine}" if other is node else "")
                 for other in nodes
             ]
             (ETC_NETNS / node.namespace).mkdir(parents=True, exist_ok=True)
-            (ETC_NETNS / node.namespace / "hosts").write_text("\n".join(hosts) + "\n")
+            (ETC_NETNS / node.namespace / "hosts").write_text("\n".join(host_lines) + "\n")
         shaped = [ShapedDevice(node.namespace, node.interface) for node in nodes]
         if self.switch_namespace is None:
             first, second = nodes
