@@ -134,6 +134,23 @@ def _seeds_per_tuner(runs: list[Run]) -> str:
     return f"{common} seeds" + (f" ({', '.join(fewer)})" if fewer else "")
 
 
+def _saved_runs(
+    parser: argparse.ArgumentParser, paths: list[str], checkpoints: list[int]
+) -> list[Run]:
+    """The runs saved in ``paths``; a usage error if one lacks a budget of ``checkpoints``."""
+    runs = load_runs(paths)
+    for run in runs:
+        absent = [k for k in checkpoints if k not in run.budgets]
+        if absent:
+            parser.error(
+                f"--checkpoints {','.join(map(str, checkpoints))}: the saved runs of "
+                f"{run.tuner!r} on {run.landscape!r} have no budget {absent} (they were run at "
+                f"budgets {list(run.budgets)}); give --checkpoints (and --budgets) among those "
+                "every saved run has"
+            )
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the comparison and print markdown tables (and JSON with --json)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tuner_quality")
@@ -199,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     landscapes, noise = _landscapes(args)
     started = time.perf_counter()
     if args.runs:
-        runs = load_runs(args.runs)
+        runs = _saved_runs(parser, args.runs, checkpoints)
     else:
         mine = [t for t in tuners if t.name == "distune"]
         others = [t for t in tuners if t.name != "distune"]

@@ -180,6 +180,17 @@ def test_runs_saved_by_separate_processes_make_one_table(
     assert "| random | 5 |" in out and "| grid | 8 |" in out
 
 
+def test_saved_runs_without_the_checkpoints_asked_are_refused_naming_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = compare([RandomSearch()], draw(TRAINING_SEED, 1), 1, [5, 8], NoiseModel())
+    (tmp_path / "a.json").write_text(json.dumps([dataclasses.asdict(r) for r in runs]))
+    with pytest.raises(SystemExit):
+        main(["--draw", "training", "--count", "1", "--runs", str(tmp_path / "a.json")])
+    error = capsys.readouterr().err
+    assert "have no budget [12, 20, 40]" in error and "run at budgets [5, 8]" in error
+
+
 def test_a_run_split_into_seed_chunks_is_the_same_as_one_run() -> None:
     """``--first-seed``: seeds 0-1 and 2-3 run apart give the runs of seeds 0-3 run at once."""
     landscapes = draw(TRAINING_SEED, 2)
