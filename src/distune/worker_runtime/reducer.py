@@ -120,8 +120,6 @@ class _WatchedForward:
 
     #: The reducer's averaged backward passes before this forward.
     iterations: int
-    #: The autograd nodes of the output's tensors (where the graph of this forward ends).
-    nodes: list[Any]
     #: Whether a backward has reached the output.
     reached: bool = False
 
@@ -267,10 +265,10 @@ class Reducer:
         #: Whether the coming backward averages gradients (a forward outside no_sync armed it).
         self.armed = False
         # Watched forwards whose output no backward reached yet (see watch), and whether that
-        # was reported; whether a look at the end of the running backward is queued.
+        # was reported; the nodes of outputs the running backward reached before any parameter.
         self._unreached = 0
         self._reported_unreached = False
-        self._output_backward_queued = False
+        self._reached_nodes: list[Any] = []
         #: Synchronised backward passes completed: the iteration count sync points refer to.
         self.iterations = 0
         #: Runs after each synchronised backward, outside the lock (see :data:`IterationHook`).
@@ -410,7 +408,7 @@ class Reducer:
             if sync:
                 self.armed = True
             self._spares = []
-            self._output_backward_queued = False  # whatever backward queued it is over
+            self._reached_nodes = []  # whatever backward reached them is over
 
     def watch(self, output: Any) -> None:
         """Follow the backward through ``output``, what a forward that armed the reducer
@@ -431,7 +429,7 @@ class Reducer:
         # Not on a leaf (a parameter returned as is): its hooks would outlive the forward.
         if not tensors:
             return
-        forward = _WatchedForward(self.iterations, [t.grad_fn for t in tensors])
+        forward = _WatchedForward(self.iterations)
         self._unreached += 1
         reference = weakref.ref(self)
         for tensor in tensors:
@@ -450,19 +448,22 @@ class Reducer:
         if not forward.reached:
             forward.reached = True
             self._unreached -= 1
-        if self.armed and not self._active and not self._output_backward_queued:
-            # Backward reaches the output before any parameter: look again at its end.
-            self._output_backward_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(
-                partial(self._after_output_backward, forward.nodes)
-            )
+        if self.armed and not self._active:
+            # Backward reaches the output before any parameter: look again at its end, from
+            # the output's nodes (the node running this hook; kept only until then, since a
+            # node held by its own tensor's hook would be a reference cycle).
+            self._reached_nodes.append(torch._C._current_autograd_node())
+            if len(self._reached_nodes) == 1:
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    self._after_output_backward
+                )
 
-    def _after_output_backward(self, nodes: list[Any]) -> None:
+    def _after_output_backward(self) -> None:
         """At the end of a backward that reached a watched output: if it reached none of the
         parameters but accumulates into some leaf (``backward()``, not ``autograd.grad``),
         take part in the other ranks' averaging with zeros, as if every parameter were
         unused here."""
-        self._output_backward_queued = False
+        nodes, self._reached_nodes = self._reached_nodes, []
         if self._active or not self.armed or not _accumulates_from(nodes):
             return  # averaged by its own callback, or nothing for this wrapper to do
         self._begin_backward(queue=False)

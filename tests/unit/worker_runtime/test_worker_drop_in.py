@@ -498,3 +498,31 @@ def test_a_forward_without_backward_before_an_averaged_one_is_logged_once(world,
     warnings_logged = [r for r in caplog.records if "had no backward" in r.message]
     assert len(warnings_logged) == 1
     assert "1 forward(s)" in warnings_logged[0].message
+
+
+class KeepsHidden(nn.Module):
+    """Squares a hidden layer (autograd saves it) and keeps a weak reference to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(16, 4)
+        self.hidden: weakref.ref[torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.layer(x)
+        self.hidden = weakref.ref(hidden)
+        return hidden * hidden
+
+
+def test_an_output_dropped_without_backward_frees_its_graph_at_once(world):
+    """The hooks on a forward's output hold nothing that refers back to its graph: a forward
+    without backward frees its saved tensors by reference counting, not at the next gc."""
+    model = distune.DistributedDataParallel(KeepsHidden())
+    gc.disable()
+    try:
+        output = model(torch.randn(3, 16))
+        assert model.module.hidden() is not None
+        del output
+        assert model.module.hidden() is None
+    finally:
+        gc.enable()
