@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from distune.errors import DistuneError
 from distune.space import Hyperparameters
+from distune.worker_runtime.added_parameters import AddedParameterWatch
 from distune.worker_runtime.algorithms.base import GradientExchange
 from distune.worker_runtime.buckets import Bucket, Slot, assign_buckets
 from distune.worker_runtime.topology import HierarchicalProcessGroups
@@ -249,6 +250,8 @@ class Reducer:
                 p for n, p in module.named_parameters() if id(p) not in known and n not in ignored
             ]
         )
+        # Parameters and submodules registered later (see check_module).
+        self._added = None if module is None else AddedParameterWatch(module)
         self._sizes = [p.numel() * p.element_size() for p in self._params]
         self._keys = [(p.dtype, p.device) for p in self._params]
         # Launch order guess until the first backward tells: reverse registration order.
@@ -387,14 +390,18 @@ class Reducer:
 
     def check_module(self, module: torch.nn.Module) -> None:
         """Raise if ``module`` (the wrapper's ``.module`` at a forward) is not the module the
-        reducer was built for: the new one's parameters would train without averaging (torch's
-        DDP lets them, silently)."""
+        reducer was built for, or has trainable parameters registered since (a new head, an
+        adapter): they would train without averaging (torch's DDP lets them, silently). A
+        parameter registered frozen is watched like one frozen at construction."""
         if self._module is not None and self._module() is not module:
             raise ReductionError(
                 "model.module was replaced after wrapping: its parameters would train without "
                 "averaging. Wrap the new module instead: "
                 "distune.DistributedDataParallel(new_module)"
             )
+        if self._added is not None and self._added.changed:
+            self._added.changed = False
+            self._check_module_unchanged()
 
     def prepare_for_forward(self, sync: bool) -> None:
         """Arm the reducer for the coming backward if ``sync`` (a forward outside no_sync), as
@@ -660,17 +667,22 @@ class Reducer:
         if module is None:
             return
         known = {id(p) for p in self._params}
-        added = [
-            n
-            for n, p in module.named_parameters()
-            if p.requires_grad and id(p) not in known and n not in self._ignored
-        ]
+        watched = {id(p) for p in self._frozen}
+        added = []
+        for name, param in module.named_parameters():
+            if id(param) in known or name in self._ignored:
+                continue
+            if param.requires_grad:
+                added.append(name)
+            elif id(param) not in watched:
+                self._frozen.append(param)  # registered frozen: unfreezing it is caught
         if added:
             raise ReductionError(
                 f"the module has trainable parameters it did not have when it was wrapped "
-                f"({', '.join(added[:5])}{', ...' if len(added) > 5 else ''}): a submodule "
-                "replaced (or a parameter unfrozen) after wrapping would train without "
-                "averaging. Wrap the module again: distune.DistributedDataParallel(model.module)"
+                f"({', '.join(added[:5])}{', ...' if len(added) > 5 else ''}): a parameter or "
+                "submodule added or replaced (or a parameter unfrozen) after wrapping would "
+                "train without averaging. Wrap the module again: "
+                "distune.DistributedDataParallel(model.module)"
             )
 
     def _learn_order(self, ready_order: list[int]) -> None:

@@ -526,3 +526,24 @@ def test_an_output_dropped_without_backward_frees_its_graph_at_once(world):
         assert model.module.hidden() is None
     finally:
         gc.enable()
+
+
+def test_a_trainable_parameter_added_after_wrapping_is_an_error_at_the_next_forward(world):
+    """A new head used alongside every old parameter, an adapter set as an attribute: torch's
+    DDP trains them unaveraged; here the next forward raises, naming them."""
+    model = distune.DistributedDataParallel(mlp())
+    step(model)
+    unrelated = nn.Linear(2, 2)  # registered elsewhere in the process: no effect
+    unrelated.extra = nn.Parameter(torch.ones(1))
+    model.module[0].weight = model.module[0].weight  # the same parameter again: fine
+    step(model)
+    model.module.add_module("head", nn.Linear(4, 4))
+    with pytest.raises(ReductionError, match=r"\(head\.weight, head\.bias\).*added"):
+        step(model)
+
+    model = distune.DistributedDataParallel(mlp())
+    model.module[3].scale = nn.Parameter(torch.ones(4), requires_grad=False)
+    step(model)  # frozen: nothing to average
+    model.module[3].scale.requires_grad_(True)
+    with pytest.raises(ReductionError, match=r"\(3\.scale\)"):
+        step(model)  # raised after the backward that could train it, as for frozen ones
