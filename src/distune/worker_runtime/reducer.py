@@ -13,11 +13,10 @@ the rules and the reasons; they are written there once.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -30,6 +29,7 @@ from distune.space import Hyperparameters
 from distune.worker_runtime.added_parameters import AddedParameterWatch
 from distune.worker_runtime.algorithms.base import GradientExchange
 from distune.worker_runtime.buckets import Bucket, Slot, assign_buckets
+from distune.worker_runtime.forward_outputs import WatchedForward, accumulates_from, tensors_in
 from distune.worker_runtime.topology import HierarchicalProcessGroups
 
 logger = logging.getLogger(__name__)
@@ -115,57 +115,12 @@ def _on_grad_ready(reducer_ref: weakref.ref[Reducer], index: int, param: torch.T
         reducer._grad_ready(index)
 
 
-@dataclasses.dataclass
-class _WatchedForward:
-    """A forward that armed the reducer: what its output's hooks need to know."""
-
-    #: The reducer's averaged backward passes before this forward.
-    iterations: int
-    #: Whether a backward has reached the output.
-    reached: bool = False
-
-
 def _on_output_grad(
-    reducer_ref: weakref.ref[Reducer], forward: _WatchedForward, grad: torch.Tensor
+    reducer_ref: weakref.ref[Reducer], forward: WatchedForward, grad: torch.Tensor
 ) -> None:
     reducer = reducer_ref()
     if reducer is not None:
         reducer._output_reached(forward)
-
-
-def _accumulates_from(nodes: Sequence[Any]) -> bool:
-    """Whether the backward running now accumulates a gradient into some leaf reachable from
-    ``nodes`` (``backward()``, unlike ``autograd.grad``, which accumulates into none)."""
-    seen: set[int] = set()
-    stack = list(nodes)
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if hasattr(node, "variable"):  # an AccumulateGrad node: a leaf
-            try:
-                if torch._C._will_engine_execute_node(node):
-                    return True
-            except RuntimeError:
-                return False  # torch refuses the question inside autograd.grad(), which
-                # accumulates nothing
-        stack.extend(following for following, _ in node.next_functions)
-    return False
-
-
-def _tensors_in(output: Any) -> list[torch.Tensor]:
-    """The tensors in a forward's output: nested in lists, tuples, mappings (Hugging Face's
-    ``ModelOutput`` is one) and dataclasses, as torch DDP finds them."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, list | tuple):
-        return [t for item in output for t in _tensors_in(item)]
-    if isinstance(output, Mapping):
-        return [t for item in output.values() for t in _tensors_in(item)]
-    if dataclasses.is_dataclass(output) and not isinstance(output, type):
-        return [t for f in dataclasses.fields(output) for t in _tensors_in(getattr(output, f.name))]
-    return []
 
 
 def _release(handles: list[Any], hierarchical: _HierarchicalAllreduce | None) -> None:
@@ -432,17 +387,17 @@ class Reducer:
         * a forward whose output no backward reached before the next averaged backward is
           logged once (see :meth:`_end_backward`).
         """
-        tensors = [t for t in _tensors_in(output) if t.grad_fn is not None]
+        tensors = [t for t in tensors_in(output) if t.grad_fn is not None]
         # Not on a leaf (a parameter returned as is): its hooks would outlive the forward.
         if not tensors:
             return
-        forward = _WatchedForward(self.iterations)
+        forward = WatchedForward(self.iterations)
         self._unreached += 1
         reference = weakref.ref(self)
         for tensor in tensors:
             tensor.register_hook(partial(_on_output_grad, reference, forward))
 
-    def _output_reached(self, forward: _WatchedForward) -> None:
+    def _output_reached(self, forward: WatchedForward) -> None:
         if self.iterations > forward.iterations:
             raise ReductionError(
                 "a backward reached the output of a forward whose gradients were already "
@@ -471,7 +426,7 @@ class Reducer:
         take part in the other ranks' averaging with zeros, as if every parameter were
         unused here."""
         nodes, self._reached_nodes = self._reached_nodes, []
-        if self._active or not self.armed or not _accumulates_from(nodes):
+        if self._active or not self.armed or not accumulates_from(nodes):
             return  # averaged by its own callback, or nothing for this wrapper to do
         self._begin_backward(queue=False)
         self._end_backward()
