@@ -385,7 +385,7 @@ class Reducer:
           other ranks' backward waits for this rank's buckets (torch's DDP leaves them waiting,
           then pairs them with this rank's next backward);
         * a forward whose output no backward reached before the next averaged backward is
-          logged once (see :meth:`_end_backward`).
+          logged once (see :meth:`_report_unreached`).
         """
         tensors = [t for t in tensors_in(output) if t.grad_fn is not None]
         # Not on a leaf (a parameter returned as is): its hooks would outlive the forward.
