@@ -91,8 +91,7 @@ class BufferBroadcast:
                 else dist.get_global_rank(self._process_group, src_group_rank)
             )
             # Buffers are read each time: a buffer replaced by assignment is still broadcast.
-            buffers = self._buffers()
-            # As torch's: an earlier forward may have saved a buffer for its backward (batch
-            # norm in eval mode); overwriting it must not fail that backward's version check.
-            with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
-                broadcast_tensors(buffers, self._process_group, src)
+            # Through .data, which autograd does not version, as torch keeps the versions: an
+            # earlier forward may have saved a buffer for its backward (batch norm in eval
+            # mode), and overwriting it must not fail that backward's check.
+            broadcast_tensors([b.data for b in self._buffers()], self._process_group, src)
