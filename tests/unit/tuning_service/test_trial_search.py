@@ -300,6 +300,22 @@ def test_a_step_down_that_a_cheaper_strategy_already_measured_is_not_run() -> No
         assert (said in search.decisions) is not stepped
 
 
+def test_a_trial_no_fuller_than_one_the_cap_did_not_slow_is_not_stepped_down() -> None:
+    cap = 400 * MiB  # zero1 is predicted to fit micro-batch 8 at most (385 MiB: 96 % full)
+    for ddp_peak, stepped in ((395 * MiB, False), (380 * MiB, True)):
+        search = new_search(cap, pins=TrialPins(checkpointing=False))
+        # ddp 4 x 4 ran near the cap, and its step down 2 x 8 was not faster: the cap's
+        # pressure did not slow it. (Faster than zero1 8 x 2, so it does not answer zero1's.)
+        scripted(search, TrialConfig(4, 4, 0, False), 75.0, peak=ddp_peak, spread=0.05)
+        scripted(search, TrialConfig(2, 8, 0, False), 74.0, peak=300 * MiB, spread=0.05)
+        scripted(search, TrialConfig(8, 2, 1, False), 70.0)
+        proposal = search._next_in_family(1, False, False)
+        # Not stepped down below ddp's 99 %; stepped down where ddp ran at 95 % only.
+        assert (proposal is not None and proposal.config == TrialConfig(4, 4, 1, False)) is stepped
+        said = "was not faster than the fuller ddp, micro-batch 4 x 4"
+        assert any(said in d for d in search.decisions) is not stepped
+
+
 def test_where_every_cheaper_strategy_ran_near_full_the_next_gets_one_trial_there() -> None:
     # 400 MiB: DDP fits nothing, zero1 micro-batch 8 (near full), zero2 16 at 365 MiB (near
     # full), zero3 fits 16 at most (285 MiB): no larger micro-batch than zero2 reached.
@@ -333,9 +349,8 @@ def test_the_caps_effect_at_a_micro_batch_is_tested_once() -> None:
     cap = 430 * MiB
     search = new_search(cap, pins=TrialPins(checkpointing=False))
     run_search(search, cap)
-    assert [r.config for r in search.results if r.config.stage == 2] == [
-        TrialConfig(16, 1, 2, False)
-    ]
+    searched = [r for r in search.results if r.purpose == "search"]
+    assert [r.config for r in searched if r.config.stage == 2] == [TrialConfig(16, 1, 2, False)]
     assert not [r for r in search.results if r.config.stage == 3]
     assert any(d.startswith("zero3: skipped") for d in search.decisions)
 

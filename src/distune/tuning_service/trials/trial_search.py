@@ -14,7 +14,10 @@ elsewhere), so from there the search steps down, and on while the smaller micro-
 by more than the two trials' own spread; so does a search for the lowest latency, whose step
 time may fall with the micro-batch when the global batch is free to change. A step down is not
 run where a cheaper family already ran the smaller micro-batch slower than the near-full trial:
-that answers it. Checkpointing and sharding are tried only where they are predicted to fit a
+that answers it. Nor where a trial at least as full (as a share of the cap) was already seen
+unhurt by the cap, its family's next smaller micro-batch having run not clearly faster: the
+cap's pressure grows with the share of it in use, so that answers every trial no fuller.
+Checkpointing and sharding are tried only where they are predicted to fit a
 larger micro-batch than the cheaper ways already reached (a lower stage, or the same stage
 without checkpointing): recomputation and sharding's extra communication cost time, and pay
 only by making room (DeepSpeed's autotuner stops climbing stages for the same reason). The
@@ -308,7 +311,9 @@ class TrialSearch:
         while True:
             current = tried[chain[-1]]
             if len(chain) == 1:
-                if not self._near_full(current) and self.metric != LATENCY:
+                if self.metric == LATENCY:
+                    pass
+                elif not self._near_full(current) or self._unhurt_at(current):
                     return None
             elif not clearly_better(current, tried[chain[-2]], self.metric):
                 return None
@@ -323,6 +328,37 @@ class TrialSearch:
             if tried[below].outcome != OK:
                 return None
             chain.append(below)
+
+    def _unhurt_at(self, current: TrialResult) -> bool:
+        """Whether a trial at least as full as ``current`` was already seen unhurt by the cap:
+        the next smaller micro-batch of its family ran and was not clearly faster. A step down
+        asks whether the cap's pressure slows a near-full trial; the pressure grows with the
+        share of the cap in use, so where a fuller trial was not slowed, ``current`` is not
+        stepped down either."""
+        fullness = self._fullness(current)
+        for result in self.results:
+            config = result.config
+            family = (config.stage, config.checkpointing, config.bf16)
+            if result.outcome != OK or result is current or self._fullness(result) < fullness:
+                continue
+            tried = self._tried(family)
+            below = [m for m, r in tried.items() if m < config.micro_batch and r.outcome == OK]
+            if below and not clearly_better(tried[max(below)], result, self.metric):
+                decision = (
+                    f"{current.config.describe()}: not stepped down, "
+                    f"{tried[max(below)].config.describe()} was not faster than the fuller "
+                    f"{config.describe()}"
+                )
+                if decision not in self.decisions:
+                    self.decisions.append(decision)
+                return True
+        return False
+
+    def _fullness(self, result: TrialResult) -> float:
+        """The share of the cap ``result``'s measured peak took (0 without either)."""
+        if self.memory_cap is None or result.peak_memory_bytes is None:
+            return 0.0
+        return result.peak_memory_bytes / self.memory_cap
 
     def _name(self, family: Family) -> str:
         stage, checkpointing, bf16 = family
