@@ -368,6 +368,26 @@ def test_re_measuring_stops_after_the_best_two_when_a_drift_reorders_them() -> N
     assert remeasured == [16, 8]  # 4 x 4 now ranks first on one measurement: not chased
 
 
+def test_the_back_to_back_re_measures_choose_between_the_best_two_under_drift() -> None:
+    search = new_search(None, pins=TrialPins(stage=0, checkpointing=False), max_trials=6)
+    for micro, value in ((16, 100.0), (8, 95.0), (4, 90.0)):
+        scripted(search, TrialConfig(micro, 32 // (2 * micro), 0, False), value)
+    # The load rose: both re-measures fell, and 8 x 2 is the faster of the two under it.
+    again = {16: 65.0, 8: 70.0}
+    while (proposal := search.next_trial()) is not None:
+        scripted(search, proposal.config, again[proposal.config.micro_batch], purpose="remeasure")
+    assert [r.config.micro_batch for r in search.results if r.purpose == "remeasure"] == [16, 8]
+    # Not 4 x 4 on its one measurement (90 against means of 82.5), not 16 x 1 by the means.
+    assert search.best() == TrialConfig(8, 2, 0, False)
+    assert search.decisions[-1].startswith("ddp, micro-batch 8 x 2: chosen by the back-to-back")
+    # A re-measure that did not run ok leaves the choice to the means: 16 x 1's 82.5 is below
+    # 4 x 4's 90, and 8 x 2's crashed re-measure leaves it its 95.
+    search.results[-1] = replace(search.results[-1], outcome=CRASH, throughput=None)
+    assert search.best() == search.ranking()[0][0] == TrialConfig(8, 2, 0, False)
+    search.results[-2] = replace(search.results[-2], throughput=99.0)  # 16 x 1: mean 99.5
+    assert search.best() == TrialConfig(16, 1, 0, False)
+
+
 def test_pins_are_never_changed_and_the_global_batch_is_fixed() -> None:
     pins = TrialPins(stage=1, checkpointing=True)
     search = new_search(None, pins=pins)
