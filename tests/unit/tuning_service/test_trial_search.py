@@ -300,6 +300,19 @@ def test_a_step_down_that_a_cheaper_strategy_already_measured_is_not_run() -> No
         assert (said in search.decisions) is not stepped
 
 
+def test_a_cheaper_strategy_faster_only_within_the_spread_answers_the_step_down() -> None:
+    cap = 400 * MiB  # zero1 is predicted to fit micro-batch 8 at most (385 MiB: near full)
+    for ddp_at_4, stepped in ((62.0, False), (70.0, True)):
+        search = new_search(cap, pins=TrialPins(checkpointing=False))
+        scripted(search, TrialConfig(4, 4, 0, False), ddp_at_4, peak=300 * MiB, spread=0.05)
+        scripted(search, TrialConfig(8, 2, 1, False), 60.0, spread=0.05)
+        proposal = search._next_in_family(1, False, False)
+        # ddp 4 x 4, 3 % faster within a 5 % spread, bounds zero1 4 x 4: no step down.
+        assert (proposal is not None and proposal.config == TrialConfig(4, 4, 1, False)) is stepped
+        said = "zero1, micro-batch 8 x 2: not stepped down, ddp, micro-batch 4 x 4 was not clearly"
+        assert any(d.startswith(said) for d in search.decisions) is not stepped
+
+
 def test_a_trial_no_fuller_than_one_the_cap_did_not_slow_is_not_stepped_down() -> None:
     cap = 400 * MiB  # zero1 is predicted to fit micro-batch 8 at most (385 MiB: 96 % full)
     for ddp_peak, stepped in ((395 * MiB, False), (380 * MiB, True)):

@@ -4,33 +4,40 @@ Families are (ZeRO stage, checkpointing, bf16), cheapest first: checkpointing of
 then DDP, ZeRO-1, -2, -3, each in full precision and then (only where the config allows mixed
 precision) in bf16, which is searched as a family of its own: it changes speed more than memory,
 so it is compared with the cheaper families of its own precision only, and predicted as its
-full-precision twin until a trial of its own has measured it. In each family the search starts
-at the largest micro-batch the memory model predicts to fit (never one predicted not to),
-because a larger micro-batch means fewer accumulation steps and better-used kernels. An out-of-
-memory trial prunes its micro-batch and every larger one of the family (and of the same stage
-without checkpointing, which needs more memory still) and the search steps down. A configuration
-that ran near the memory cap may be slowed by it (allocator pressure, smaller kernels
-elsewhere), so from there the search steps down, and on while the smaller micro-batch is faster
-by more than the two trials' own spread; so does a search for the lowest latency, whose step
-time may fall with the micro-batch when the global batch is free to change. A step down is not
-run where a cheaper family already ran the smaller micro-batch slower than the near-full trial:
-that answers it. Nor where a trial at least as full (as a share of the cap) was already seen
-unhurt by the cap, its family's next smaller micro-batch having run not clearly faster: the
-cap's pressure grows with the share of it in use, so that answers every trial no fuller.
-Checkpointing and sharding are tried only where they are predicted to fit a
-larger micro-batch than the cheaper ways already reached (a lower stage, or the same stage
-without checkpointing): recomputation and sharding's extra communication cost time, and pay
-only by making room (DeepSpeed's autotuner stops climbing stages for the same reason). The
-exception is the micro-batch where every cheaper family that ran it ran near the cap: there the
-room a more sharded family frees may be what makes it faster, so the next such family gets one
-trial at that micro-batch (once per micro-batch and precision), and goes on only if it was
-faster. A family whose trial crashed, hung or was invalid is given up. Finally the two best
-configurations by their first measurements are measured once more, back to back (only those
-two: a drift of the machine's load between trials would otherwise chase every configuration
-measured once), and the faster of the two in that pair wins: run one right after the other,
-under the same load, they compare the configurations and not the load, which measurements
-taken trials apart do not (see :func:`chosen`). Where a re-measure did not run ok, the best
-mean wins.
+full-precision twin until a trial of its own has measured it. The rules:
+
+* **Largest first.** In each family the search starts at the largest micro-batch the memory
+  model predicts to fit (never one predicted not to), because a larger micro-batch means fewer
+  accumulation steps and better-used kernels. An out-of-memory trial prunes its micro-batch and
+  every larger one of the family (and of the same stage without checkpointing, which needs more
+  memory still) and the search steps down. A family the memory model, corrected by later
+  trials, predicts to fit a larger micro-batch than it ran goes on there.
+* **Step down from near full.** A configuration that ran near the memory cap may be slowed by
+  it (allocator pressure, smaller kernels elsewhere), so from there the search steps down, and
+  on while the smaller micro-batch is faster by more than the two trials' own spread; so does
+  a search for the lowest latency, whose step time may fall with the micro-batch when the
+  global batch is free to change.
+* **A step down already answered is not run.** Where a cheaper family already ran the smaller
+  micro-batch not clearly faster (beyond the two trials' spread) than the near-full trial: at
+  one micro-batch more sharding or recomputation only adds work, so that bounds it. And where
+  a trial at least as full (as a share of the cap) was already seen unhurt by the cap, its
+  family's next smaller micro-batch having run not clearly faster: the cap's pressure grows
+  with the share of it in use, so that answers every trial no fuller.
+* **Sharding and checkpointing only where they make room.** They are tried only where they are
+  predicted to fit a larger micro-batch than the cheaper ways already reached (a lower stage,
+  or the same stage without checkpointing): recomputation and sharding's extra communication
+  cost time, and pay only by making room (DeepSpeed's autotuner stops climbing stages for the
+  same reason). The exception is the micro-batch where every cheaper family that ran it ran
+  near the cap: there the room a more sharded family frees may be what makes it faster, so the
+  next such family gets one trial at that micro-batch (once per micro-batch and precision), and
+  goes on only if it was faster.
+* A family whose trial crashed, hung or was invalid is given up.
+* **The choice, drift-proof.** Finally the two best configurations by their first measurements
+  are measured once more, back to back (only those two: a drift of the machine's load between
+  trials would otherwise chase every configuration measured once), and the faster of the two
+  in that pair wins: run one right after the other, under the same load, they compare the
+  configurations and not the load, which measurements taken trials apart do not (see
+  :func:`chosen`). Where a re-measure did not run ok, the best mean wins.
 """
 
 from __future__ import annotations
@@ -414,18 +421,23 @@ class TrialSearch:
         return name + (" in bf16" if bf16 else "")
 
     def _answered_below(self, family: Family, current: TrialResult, below: int) -> bool:
-        """Whether a cheaper family already ran micro-batch ``below``, slower than ``current``.
-        A step down asks whether the smaller micro-batch, with room to spare, beats the
-        near-full ``current``; at one micro-batch more sharding or recomputation adds work (the
-        premise of skipping strategies), so this family's ``below`` is predicted no faster than
-        the cheaper one's, which was slower: the step down is not run."""
-        value = current.value(self.metric)
+        """Whether a cheaper family already ran micro-batch ``below``, not clearly faster than
+        ``current`` (by more than the two trials' spread). A step down asks whether the smaller
+        micro-batch, with room to spare, beats the near-full ``current``; at one micro-batch
+        more sharding or recomputation adds work (the premise of skipping strategies), so this
+        family's ``below`` is predicted no faster than the cheaper one's, which was not clearly
+        faster (a step down faster within the noise proves nothing): it is not run."""
         for key in self._cheaper(family):
             cheaper = self._tried(key).get(below)
-            if cheaper and cheaper.outcome == OK and cheaper.value(self.metric) <= value:
+            if (
+                cheaper
+                and cheaper.outcome == OK
+                and not clearly_better(cheaper, current, self.metric)
+            ):
+                slower = cheaper.value(self.metric) <= current.value(self.metric)
                 decision = (
                     f"{current.config.describe()}: not stepped down, {cheaper.config.describe()} "
-                    "was slower"
+                    + ("was slower" if slower else "was not clearly faster")
                 )
                 if decision not in self.decisions:
                     self.decisions.append(decision)
