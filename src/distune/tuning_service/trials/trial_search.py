@@ -18,8 +18,9 @@ full-precision twin until a trial of its own has measured it. The rules:
   a search for the lowest latency, whose step time may fall with the micro-batch when the
   global batch is free to change.
 * **A step down already answered is not run.** Where a cheaper family already ran the smaller
-  micro-batch not clearly faster (beyond the two trials' spread) than the near-full trial: at
-  one micro-batch more sharding or recomputation only adds work, so that bounds it. And where
+  micro-batch: at one micro-batch more sharding or recomputation only adds work, so that
+  measured trial bounds the step down, which could then beat neither it nor, where it was
+  slower, the near-full trial. And where
   a trial at least as full (as a share of the cap) was already seen unhurt by the cap, its
   family's next smaller micro-batch having run not clearly faster: the cap's pressure grows
   with the share of it in use, so that answers every trial no fuller.
@@ -421,27 +422,24 @@ class TrialSearch:
         return name + (" in bf16" if bf16 else "")
 
     def _answered_below(self, family: Family, current: TrialResult, below: int) -> bool:
-        """Whether a cheaper family already ran micro-batch ``below``, not clearly faster than
-        ``current`` (by more than the two trials' spread). A step down asks whether the smaller
-        micro-batch, with room to spare, beats the near-full ``current``; at one micro-batch
-        more sharding or recomputation adds work (the premise of skipping strategies), so this
-        family's ``below`` is predicted no faster than the cheaper one's, which was not clearly
-        faster (a step down faster within the noise proves nothing): it is not run."""
+        """Whether a cheaper family already ran micro-batch ``below``. A step down asks whether
+        the smaller micro-batch, with room to spare, beats the near-full ``current``; at one
+        micro-batch more sharding or recomputation adds work (the premise of skipping
+        strategies), so this family's ``below`` is predicted no faster than the cheaper one's:
+        slower than ``current`` it loses, faster it still cannot beat that measured trial. It
+        is not run."""
         for key in self._cheaper(family):
             cheaper = self._tried(key).get(below)
-            if (
-                cheaper
-                and cheaper.outcome == OK
-                and not clearly_better(cheaper, current, self.metric)
-            ):
-                slower = cheaper.value(self.metric) <= current.value(self.metric)
-                decision = (
-                    f"{current.config.describe()}: not stepped down, {cheaper.config.describe()} "
-                    + ("was slower" if slower else "was not clearly faster")
-                )
-                if decision not in self.decisions:
-                    self.decisions.append(decision)
-                return True
+            if cheaper is None or cheaper.outcome != OK:
+                continue
+            slower = cheaper.value(self.metric) <= current.value(self.metric)
+            decision = (
+                f"{current.config.describe()}: not stepped down, {cheaper.config.describe()} "
+                + ("was slower" if slower else "bounds it and was measured")
+            )
+            if decision not in self.decisions:
+                self.decisions.append(decision)
+            return True
         return False
 
     def _skip(self, family: Family, fits: int, reached: int) -> None:
