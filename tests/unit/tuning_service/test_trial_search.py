@@ -373,7 +373,7 @@ def test_re_measuring_stops_after_the_best_two_when_a_drift_reorders_them() -> N
     assert remeasured == [16, 8]  # 4 x 4 now ranks first on one measurement: not chased
 
 
-def test_the_back_to_back_re_measures_choose_between_the_best_two_under_drift() -> None:
+def test_the_best_two_are_compared_within_pairs_under_drift() -> None:
     search = new_search(None, pins=TrialPins(stage=0, checkpointing=False), max_trials=6)
     for micro, value in ((16, 100.0), (8, 95.0), (4, 90.0)):
         scripted(search, TrialConfig(micro, 32 // (2 * micro), 0, False), value)
@@ -382,9 +382,10 @@ def test_the_back_to_back_re_measures_choose_between_the_best_two_under_drift() 
     while (proposal := search.next_trial()) is not None:
         scripted(search, proposal.config, again[proposal.config.micro_batch], purpose="remeasure")
     assert [r.config.micro_batch for r in search.results if r.purpose == "remeasure"] == [16, 8]
-    # Not 4 x 4 on its one measurement (90 against means of 82.5), not 16 x 1 by the means.
+    # Not 4 x 4 on its one measurement (90 against means of 82.5), and within pairs 8 x 2:
+    # 95 / 100 x 70 / 65 > 1.
     assert search.best() == TrialConfig(8, 2, 0, False)
-    assert search.decisions[-1].startswith("ddp, micro-batch 8 x 2: chosen by the back-to-back")
+    assert search.decisions[-1].startswith("ddp, micro-batch 8 x 2: chosen within pairs")
     # A re-measure that did not run ok leaves the choice to the means: 16 x 1's 82.5 is below
     # 4 x 4's 90, and 8 x 2's crashed re-measure leaves it its 95.
     search.results[-1] = replace(search.results[-1], outcome=CRASH, throughput=None)

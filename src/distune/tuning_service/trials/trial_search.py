@@ -35,14 +35,18 @@ full-precision twin until a trial of its own has measured it. The rules:
 * A family whose trial crashed, hung or was invalid is given up.
 * **The choice, drift-proof.** Finally the two best configurations by their first measurements
   are measured once more, back to back (only those two: a drift of the machine's load between
-  trials would otherwise chase every configuration measured once), and the faster of the two
-  in that pair wins: run one right after the other, under the same load, they compare the
-  configurations and not the load, which measurements taken trials apart do not (see
+  trials would otherwise chase every configuration measured once), and the two are compared
+  within pairs: each first measurement against the other's, each re-measure against the
+  other's (the larger geometric mean of its two values wins). A ratio within a round cancels
+  what the load did between rounds, and the back-to-back pair ran under one load; a
+  configuration measured once cannot win on a value the load may have lifted (see
   :func:`chosen`). Where a re-measure did not run ok, the best mean wins.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
@@ -80,24 +84,33 @@ def remeasured_pair(results: Iterable[TrialResult], metric: str) -> list[TrialCo
 
 
 def chosen(results: Iterable[TrialResult], metric: str) -> TrialConfig | None:
-    """The winning configuration of ``results``: of the re-measured pair, the one faster in
-    its back-to-back re-measures, where both ran ok; else the best mean (None: no ok trial).
+    """The winning configuration of ``results``: of the re-measured pair, where both
+    re-measures ran ok, the one ahead when compared within pairs (its first measurement over
+    the other's, times its re-measure over the other's); else the best mean (None: no ok
+    trial).
 
     A machine's load drifts between trials (on the shared CPU of BENCHMARKS.md, whole trials
     18-37 % apart from one grid pass to the next, while the steps of one trial agree within
-    8 %), so measurements taken trials apart compare the load as much as the configurations.
-    The re-measures run one right after the other, under the same load: compared with each
-    other they decide between the two, at no cost in trials. Their first measurements only
-    chose the pair; a configuration measured once, below both, cannot win on a value the load
-    may have lifted."""
+    8 %), so a value says as much about the load when it ran as about the configuration. A
+    ratio of two trials of one round cancels what drifted between rounds, and the re-measures
+    run back to back, under one load. A configuration measured once, below both of the pair,
+    cannot win on a value the load may have lifted: the first measurements only chose the
+    pair."""
     results = list(results)
     ranked = ranking(results, metric)
     if not ranked:
         return None
     pair = remeasured_pair(results, metric)
-    again = {r.config: r for r in results if r.purpose == REMEASURE and r.outcome == OK}
+    again = {r.config for r in results if r.purpose == REMEASURE and r.outcome == OK}
     if len(pair) > 1 and all(config in again for config in pair):
-        return max(pair, key=lambda config: again[config].value(metric))
+        # The within-pair ratios multiply to a ratio of the two's products of values, so the
+        # larger geometric mean wins (latency's values are negated: the smaller one's).
+        def level(config: TrialConfig) -> float:
+            values = [r.value(metric) for r in results if r.config == config and r.outcome == OK]
+            log_mean = statistics.fmean(math.log(abs(v)) for v in values)
+            return log_mean if values[0] > 0 else -log_mean
+
+        return max(pair, key=level)
     return ranked[0][0]
 
 
@@ -200,10 +213,12 @@ class TrialSearch:
         if len(pair) < 2 or not all(config in again for config in pair):
             return
         winner = self.best()
-        values = ", ".join(f"{again[c].value(self.metric):.4g}" for c in pair)
+        values = "; ".join(
+            f"{c.describe()}: " + ", ".join(f"{abs(v):.4g}" for v in self.scores(c)) for c in pair
+        )
         self.decisions.append(
-            f"{winner.describe() if winner else '-'}: chosen by the back-to-back re-measures of "
-            f"{' and '.join(c.describe() for c in pair)} ({values})"
+            f"{winner.describe() if winner else '-'}: chosen within pairs, first measurements "
+            f"and back-to-back re-measures ({values})"
         )
 
     def _observe(self, config: TrialConfig, peak: int | None) -> None:
