@@ -2,8 +2,8 @@
 
 Left, each trial's throughput in trial order, coloured by strategy and labelled with its
 configuration (micro-batch x accumulation, ``c`` checkpointing, ``bf16``); a trial that did not
-finish is drawn on the axis with its outcome, and the best configuration (highest mean of its
-measurements) is starred at that mean. Right, the predicted peak memory per rank against the
+finish is drawn on the axis with its outcome, and the configuration level 2 chose is starred at
+its mean. Right, the predicted peak memory per rank against the
 measured one for every trial that has both, with the line where they agree: how well the
 memory model did.
 """
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from distune.cli.chosen_marker import mark_chosen
 from distune.tuning_service.trials.trial_config import STRATEGY_NAMES
 from distune.tuning_service.trials.trial_result import OK, THROUGHPUT, TrialResult
-from distune.tuning_service.trials.trial_search import ranking
+from distune.tuning_service.trials.trial_search import chosen, ranking
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -39,11 +39,12 @@ def label(trial: TrialResult) -> str:
 
 
 def best(trials: list[TrialResult]) -> tuple[TrialResult, float] | None:
-    """The configuration with the highest mean throughput (its first trial) and that mean."""
-    ranked = ranking(trials, THROUGHPUT)
-    if not ranked:
+    """The configuration level 2 chose (:func:`chosen`), its first trial and its mean
+    throughput."""
+    config = chosen(trials, THROUGHPUT)
+    if config is None:
         return None
-    config, mean = ranked[0]
+    mean = dict(ranking(trials, THROUGHPUT))[config]
     return next(t for t in trials if t.config == config), mean
 
 

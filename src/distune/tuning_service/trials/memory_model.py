@@ -17,20 +17,34 @@ buckets, allocator slack) is the profile's residual, added to every prediction.
 
 Without gradient accumulation (one micro-batch a step) gradients and the forward's activations
 never all live at once: the optimizer's ``zero_grad`` frees the gradients before the forward,
-and backward frees activations as it makes gradients, so about half of ``G`` overlaps the
-activations under ddp, zero1 and zero2 (which keeps whole parameters through backward);
-zero3 keeps unsharded gradients between micro-steps only while accumulating (FSDP's
-``no_sync``) and reshards each block after its backward, so none of ``G`` remains. The model takes
-that share of ``G`` off a configuration without accumulation (and adds it back to the
-residual when the profile ran without). Measured on two grids (``docs/level2.md``): without it
-the model overestimated every configuration without accumulation, by up to 26 %.
+and backward frees activations as it makes gradients. How much of ``G`` is off at the peak
+depends on how the activations compare with the gradients, so it is learned. The prior, before
+a trial without accumulation has run: half of ``G`` under ddp, zero1 and zero2 (which keep whole
+gradients through backward), all of it under zero3 (FSDP keeps unsharded gradients between
+micro-steps only while accumulating, in ``no_sync``, and reshards each block after its
+backward); the profile's residual gets the prior share back when it ran without accumulation.
+Each ok trial without accumulation then measures its share: its prediction as if it
+accumulated (from its family's trials with accumulation, or the profile alone) less its
+measured peak, over ``G``, within [0, 1]. A share holds for its *sharing class*, (zero3 or not,
+checkpointing): under ddp, zero1 and zero2 the gradients appear block by block in backward as
+the activations go, whatever the stage, while checkpointing keeps far fewer activations to
+overlap them. The class predicts with the smallest share its trials measured (the safe side),
+and a share above the prior only at micro-batches at least as large as the one it was measured
+at (fewer activations overlap less of the gradients). Measured on three grids (``docs/level2.md``):
+0.90-0.96 of ``G`` without checkpointing, 0.28-0.51 with it under ddp and zero1, so a fixed
+share either skips configurations that fit or launches ones that do not. A trial that still
+runs out of memory is pruned as any other.
 
 Each measured trial then corrects its own (stage, checkpointing) family: one measurement fixes
-the family's offset, two or more fit its line in the micro-batch. Checkpointing's activation
-bytes come from the profile too: hooks on the repeated blocks measure what each kept and the
-bytes of its input, so a checkpointed forward keeps ``A`` minus what the blocks kept plus their
-inputs plus one block (recomputed in backward). Without repeated blocks the uncheckpointed
-``A`` bounds them from above.
+the family's offset, two or more fit its line in the micro-batch, from its trials of the same
+kind (with accumulation or without) where there are any. A trial without accumulation corrects
+the family's configurations with accumulation upwards only, by what it measured over the
+prior's prediction: what it did not hold for lack of accumulation says nothing of them.
+
+Checkpointing's activation bytes come from the profile too: hooks on the repeated blocks
+measure what each kept and the bytes of its input, so a checkpointed forward keeps ``A`` minus
+what the blocks kept plus their inputs plus one block (recomputed in backward). Without
+repeated blocks the uncheckpointed ``A`` bounds them from above.
 """
 
 from __future__ import annotations
@@ -72,19 +86,23 @@ class ModelFacts:
             return p + (g + o) / w
         return (p + g + o) / w + 2 * self.largest_block_bytes  # a block's parameters and grads
 
-    def unaccumulated_bytes(self, config: TrialConfig) -> float:
+    def unaccumulated_bytes(self, config: TrialConfig, share: float | None = None) -> float:
         """Gradient bytes that ``config`` does not hold at its peak for lack of accumulation
-        (0 with accumulation): half of them under ddp, zero1 and zero2, all under zero3."""
+        (0 with accumulation): ``share`` of them, by default the prior
+        :func:`unaccumulated_prior`."""
         if config.accumulation > 1:
             return 0.0
-        return self.gradient_bytes * (1.0 if config.stage == 3 else 0.5)
+        return self.gradient_bytes * (unaccumulated_prior(config.stage) if share is None else share)
 
-    def formula_bytes(self, config: TrialConfig, activation_bytes_per_sample: float) -> float:
-        """The model's peak of ``config`` without the residual, for a given activation slope."""
+    def formula_bytes(
+        self, config: TrialConfig, activation_bytes_per_sample: float, share: float | None = None
+    ) -> float:
+        """The model's peak of ``config`` without the residual, for a given activation slope
+        (and share of the gradients off without accumulation; by default the prior)."""
         return (
             self.state_bytes(config.stage)
             + activation_bytes_per_sample * config.micro_batch
-            - self.unaccumulated_bytes(config)
+            - self.unaccumulated_bytes(config, share)
         )
 
     @property
@@ -95,21 +113,68 @@ class ModelFacts:
         )
 
 
+def unaccumulated_prior(stage: int) -> float:
+    """The share of the gradients a configuration without accumulation is taken not to hold at
+    its peak until a trial has measured it: half under ddp, zero1 and zero2, all under zero3."""
+    return 1.0 if stage == 3 else 0.5
+
+
+def sharing_class(config: TrialConfig) -> tuple[bool, bool]:
+    """The configurations whose gradients overlap their activations alike without
+    accumulation: (zero3, checkpointing). Under ddp, zero1 and zero2 whole gradients appear
+    block by block in backward as the activations go, so how much of them coexists with the
+    activations depends on the activations (checkpointing, micro-batch), not on the stage;
+    zero3 reshards each block's gradients as it goes."""
+    return (config.stage == 3, config.checkpointing)
+
+
 @dataclass
 class MemoryModel:
     """Predictions from :class:`ModelFacts`, corrected by every measured trial."""
 
     facts: ModelFacts
     _measured: dict[tuple[int, bool], dict[TrialConfig, int]] = field(default_factory=dict)
+    #: Per sharing class, (share, micro-batch) learned from each trial without accumulation.
+    _shares: dict[tuple[bool, bool], list[tuple[float, int]]] = field(default_factory=dict)
 
     def observe(self, config: TrialConfig, peak_bytes: int) -> None:
         """Record a trial's measured peak (a trial that finished its steps)."""
+        if config.accumulation == 1 and self.facts.gradient_bytes > 0:
+            self._learn_share(config, peak_bytes)
         family = self._measured.setdefault((config.stage, config.checkpointing), {})
         family[config] = max(peak_bytes, family.get(config, 0))
 
-    def _base(self, config: TrialConfig) -> float:
-        """Predicted bytes of ``config`` less its activations."""
-        return self.facts.formula_bytes(config, 0.0) + self.facts.residual_bytes
+    def _learn_share(self, config: TrialConfig, peak_bytes: int) -> None:
+        """The share of the gradients ``config`` (without accumulation) did not hold at its
+        peak: its prediction as if it accumulated (from its family's trials with accumulation,
+        or the profile alone) less its measured peak, over the gradient bytes, within [0, 1]."""
+        accumulating = self._points(config, accumulating=True)
+        as_if = self._from_points(config, accumulating, share=0.0)
+        share = (as_if - peak_bytes) / self.facts.gradient_bytes
+        self._shares.setdefault(sharing_class(config), []).append(
+            (min(max(share, 0.0), 1.0), config.micro_batch)
+        )
+
+    def share(self, config: TrialConfig) -> float:
+        """The share of the gradients ``config`` is predicted not to hold at its peak without
+        accumulation: the smallest that its sharing class's trials measured (the prior before
+        any), and a share above the prior only at micro-batches at least as large as the one it
+        was measured at (fewer activations leave the gradients less to overlap)."""
+        prior = unaccumulated_prior(config.stage)
+        learned = self._shares.get(sharing_class(config), [])
+        if not learned:
+            return prior
+        return min(
+            share if config.micro_batch >= micro_batch else min(share, prior)
+            for share, micro_batch in learned
+        )
+
+    def _base(self, config: TrialConfig, share: float | None = None) -> float:
+        """Predicted bytes of ``config`` less its activations (with the learned share of the
+        gradients off without accumulation, or ``share``)."""
+        if share is None:
+            share = self.share(config)
+        return self.facts.formula_bytes(config, 0.0, share) + self.facts.residual_bytes
 
     def _slope(self, checkpointing: bool) -> float:
         """Bytes per sample of micro-batch: the profile's, or a checkpointed family's fit."""
@@ -128,12 +193,42 @@ class MemoryModel:
             return float(self.facts.activation_bytes_per_sample)
         return min(max(max(slopes), 0.0), float(self.facts.activation_bytes_per_sample))
 
-    def predict(self, config: TrialConfig) -> int:
-        """Predicted peak bytes per rank of ``config``."""
+    def _points(
+        self, config: TrialConfig, accumulating: bool, share: float | None = None
+    ) -> dict[int, float]:
+        """The measurements of ``config``'s family with (or without) accumulation, each less
+        the base at its micro-batch (with ``share`` if given): the family's activations and
+        offset."""
         family = self._measured.get((config.stage, config.checkpointing), {})
-        # Measurements less the base at their micro-batch: the family's activations and offset.
-        points = {c.micro_batch: peak - self._base(c) for c, peak in family.items()}
-        base = self._base(config)
+        return {
+            c.micro_batch: peak - self._base(c, share)
+            for c, peak in family.items()
+            if (c.accumulation > 1) == accumulating
+        }
+
+    def predict(self, config: TrialConfig) -> int:
+        """Predicted peak bytes per rank of ``config``: from its family's trials of its own
+        kind (with or without accumulation), else of the other kind. A trial without
+        accumulation corrects one with accumulation upwards only, by what it measured over the
+        prior's prediction: what it did not hold for lack of accumulation says nothing of a
+        configuration that accumulates."""
+        accumulating = config.accumulation > 1
+        points = self._points(config, accumulating)
+        if points:
+            return round(self._from_points(config, points))
+        if not accumulating:
+            return round(self._from_points(config, self._points(config, True)))
+        # Measured above the prior's line (whatever the share), the family holds more.
+        prior = unaccumulated_prior(config.stage)
+        above_prior = self._from_points(config, self._points(config, False, prior))
+        return round(max(above_prior, self._from_points(config, {})))
+
+    def _from_points(
+        self, config: TrialConfig, points: dict[int, float], share: float | None = None
+    ) -> float:
+        """``config``'s base plus its activations: the line through ``points`` (two or more),
+        one point's offset and the slope, or the slope alone."""
+        base = self._base(config, share)
         if len(points) >= 2:
             xs = sorted(points)
             n = len(xs)
@@ -142,9 +237,9 @@ class MemoryModel:
             var = sum((x - mean_x) ** 2 for x in xs)
             slope = sum((x - mean_x) * (points[x] - mean_y) for x in xs) / var
             slope = max(slope, 0.0)
-            return round(base + mean_y + slope * (config.micro_batch - mean_x))
+            return base + mean_y + slope * (config.micro_batch - mean_x)
         slope = self._slope(config.checkpointing)
         if points:
             ((m, above),) = points.items()
-            return round(base + above + slope * (config.micro_batch - m))
-        return round(base + slope * config.micro_batch)
+            return base + above + slope * (config.micro_batch - m)
+        return base + slope * config.micro_batch

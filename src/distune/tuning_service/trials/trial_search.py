@@ -4,30 +4,49 @@ Families are (ZeRO stage, checkpointing, bf16), cheapest first: checkpointing of
 then DDP, ZeRO-1, -2, -3, each in full precision and then (only where the config allows mixed
 precision) in bf16, which is searched as a family of its own: it changes speed more than memory,
 so it is compared with the cheaper families of its own precision only, and predicted as its
-full-precision twin until a trial of its own has measured it. In each family the search starts
-at the largest micro-batch the memory model predicts to fit (never one predicted not to),
-because a larger micro-batch means fewer accumulation steps and better-used kernels. An out-of-
-memory trial prunes its micro-batch and every larger one of the family (and of the same stage
-without checkpointing, which needs more memory still) and the search steps down. A configuration
-that ran near the memory cap may be slowed by it (allocator pressure, smaller kernels
-elsewhere), so from there the search steps down, and on while the smaller micro-batch is faster
-by more than the two trials' own spread; so does a search for the lowest latency, whose step
-time may fall with the micro-batch when the global batch is free to change. A step down is not
-run where a cheaper family already ran the smaller micro-batch slower than the near-full trial:
-that answers it. Checkpointing and sharding are tried only where they are predicted to fit a
-larger micro-batch than the cheaper ways already reached (a lower stage, or the same stage
-without checkpointing): recomputation and sharding's extra communication cost time, and pay
-only by making room (DeepSpeed's autotuner stops climbing stages for the same reason). The
-exception is the micro-batch where every cheaper family that ran it ran near the cap: there the
-room a more sharded family frees may be what makes it faster, so the next such family gets one
-trial at that micro-batch (once per micro-batch and precision), and goes on only if it was
-faster. A family whose trial crashed, hung or was invalid is given up. Finally the two best
-configurations are measured once more (only those two: a drift of the machine's load between
-trials would otherwise chase every configuration measured once), and the best mean wins.
+full-precision twin until a trial of its own has measured it. The rules:
+
+* **Largest first.** In each family the search starts at the largest micro-batch the memory
+  model predicts to fit (never one predicted not to), because a larger micro-batch means fewer
+  accumulation steps and better-used kernels. An out-of-memory trial prunes its micro-batch and
+  every larger one of the family (and of the same stage without checkpointing, which needs more
+  memory still) and the search steps down. A family the memory model, corrected by later
+  trials, predicts to fit a larger micro-batch than it ran goes on there.
+* **Step down from near full.** A configuration that ran near the memory cap may be slowed by
+  it (allocator pressure, smaller kernels elsewhere), so from there the search steps down, and
+  on while the smaller micro-batch is faster by more than the two trials' own spread; so does
+  a search for the lowest latency, whose step time may fall with the micro-batch when the
+  global batch is free to change.
+* **A step down already answered is not run.** Where a cheaper family already ran the smaller
+  micro-batch: at one micro-batch more sharding or recomputation only adds work, so that
+  measured trial bounds the step down, which could then beat neither it nor, where it was
+  slower, the near-full trial. And where
+  a trial at least as full (as a share of the cap) was already seen unhurt by the cap, its
+  family's next smaller micro-batch having run not clearly faster: the cap's pressure grows
+  with the share of it in use, so that answers every trial no fuller.
+* **Sharding and checkpointing only where they make room.** They are tried only where they are
+  predicted to fit a larger micro-batch than the cheaper ways already reached (a lower stage,
+  or the same stage without checkpointing): recomputation and sharding's extra communication
+  cost time, and pay only by making room (DeepSpeed's autotuner stops climbing stages for the
+  same reason). The exception is the micro-batch where every cheaper family that ran it ran
+  near the cap: there the room a more sharded family frees may be what makes it faster, so the
+  next such family gets one trial at that micro-batch (once per micro-batch and precision), and
+  goes on only if it was faster.
+* A family whose trial crashed, hung or was invalid is given up.
+* **The choice, drift-proof.** Finally the two best configurations by their first measurements
+  are measured once more, back to back (only those two: a drift of the machine's load between
+  trials would otherwise chase every configuration measured once), and the two are compared
+  within pairs: each first measurement against the other's, each re-measure against the
+  other's (the larger geometric mean of its two values wins). A ratio within a round cancels
+  what the load did between rounds, and the back-to-back pair ran under one load; a
+  configuration measured once cannot win on a value the load may have lifted (see
+  :func:`chosen`). Where a re-measure did not run ok, the best mean wins.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
@@ -40,6 +59,8 @@ from distune.tuning_service.trials.trial_space import TrialSpace
 NEAR_FULL = 0.85
 #: How many of the best configurations are measured again before choosing.
 REMEASURED = 2
+#: The purpose of a trial that measures a configuration again before choosing.
+REMEASURE = "remeasure"
 #: A family of configurations: (ZeRO stage, activation checkpointing, bf16).
 Family = tuple[int, bool, bool]
 
@@ -53,6 +74,44 @@ def ranking(results: Iterable[TrialResult], metric: str) -> list[tuple[TrialConf
             values.setdefault(result.config, []).append(result.value(metric))
     means = [(config, sum(v) / len(v)) for config, v in values.items()]
     return sorted(means, key=lambda item: (-item[1], item[0]))
+
+
+def remeasured_pair(results: Iterable[TrialResult], metric: str) -> list[TrialConfig]:
+    """The configurations the search re-measures: the best :data:`REMEASURED` by their first
+    measurements (re-measures left out, so the pair never changes as they come in)."""
+    first = [r for r in results if r.purpose != REMEASURE]
+    return [config for config, _ in ranking(first, metric)[:REMEASURED]]
+
+
+def chosen(results: Iterable[TrialResult], metric: str) -> TrialConfig | None:
+    """The winning configuration of ``results``: of the re-measured pair, where both
+    re-measures ran ok, the one ahead when compared within pairs (its first measurement over
+    the other's, times its re-measure over the other's); else the best mean (None: no ok
+    trial).
+
+    A machine's load drifts between trials (on the shared CPU of BENCHMARKS.md, whole trials
+    18-37 % apart from one grid pass to the next, while the steps of one trial agree within
+    8 %), so a value says as much about the load when it ran as about the configuration. A
+    ratio of two trials of one round cancels what drifted between rounds, and the re-measures
+    run back to back, under one load. A configuration measured once, below both of the pair,
+    cannot win on a value the load may have lifted: the first measurements only chose the
+    pair."""
+    results = list(results)
+    ranked = ranking(results, metric)
+    if not ranked:
+        return None
+    pair = remeasured_pair(results, metric)
+    again = {r.config for r in results if r.purpose == REMEASURE and r.outcome == OK}
+    if len(pair) > 1 and all(config in again for config in pair):
+        # The within-pair ratios multiply to a ratio of the two's products of values, so the
+        # larger geometric mean wins (latency's values are negated: the smaller one's).
+        def level(config: TrialConfig) -> float:
+            values = [r.value(metric) for r in results if r.config == config and r.outcome == OK]
+            log_mean = statistics.fmean(math.log(abs(v)) for v in values)
+            return log_mean if values[0] > 0 else -log_mean
+
+        return max(pair, key=level)
+    return ranked[0][0]
 
 
 def clearly_better(result: TrialResult, other: TrialResult, metric: str) -> bool:
@@ -144,6 +203,23 @@ class TrialSearch:
         else:
             self._given_up.add(family)
             self.decisions.append(f"{config.strategy}: given up after a {result.outcome} trial")
+        if result.purpose == REMEASURE:
+            self._say_choice()
+
+    def _say_choice(self) -> None:
+        """Once the pair's re-measures are in, say which won them."""
+        pair = remeasured_pair(self.results, self.metric)
+        again = {r.config: r for r in self.results if r.purpose == REMEASURE and r.outcome == OK}
+        if len(pair) < 2 or not all(config in again for config in pair):
+            return
+        winner = self.best()
+        values = "; ".join(
+            f"{c.describe()}: " + ", ".join(f"{abs(v):.4g}" for v in self.scores(c)) for c in pair
+        )
+        self.decisions.append(
+            f"{winner.describe() if winner else '-'}: chosen within pairs, first measurements "
+            f"and back-to-back re-measures ({values})"
+        )
 
     def _observe(self, config: TrialConfig, peak: int | None) -> None:
         if self.memory is None or self._bf16_memory is None or peak is None:
@@ -165,9 +241,9 @@ class TrialSearch:
         return ranking(self.results, self.metric)
 
     def best(self) -> TrialConfig | None:
-        """The winning configuration so far, or None if no trial succeeded."""
-        ranking = self.ranking()
-        return ranking[0][0] if ranking else None
+        """The winning configuration so far (see :func:`chosen`), or None if no trial
+        succeeded."""
+        return chosen(self.results, self.metric)
 
     def next_trial(self) -> Proposal | None:
         """The next trial to run, or None when the search is over."""
@@ -182,15 +258,13 @@ class TrialSearch:
                     if proposal is not None:
                         return proposal
             self._remeasuring = True
-        # Each of the best two once more, and no more: a configuration whose first measurement
-        # ranks it first after the others' second ones fell (a machine's load drifts between
-        # trials) is not chased further.
-        remeasured = sum(r.purpose == "remeasure" for r in self.results)
-        if remeasured >= REMEASURED:
-            return None
-        for config, _ in self.ranking()[:REMEASURED]:
-            if len(self.scores(config)) == 1:
-                return Proposal(config, "remeasure", self.predicted(config))
+        # Each of the best two by first measurements once more, back to back, and no more: a
+        # configuration whose first measurement ranks it first after the others' second ones
+        # fell (a machine's load drifts between trials) is not chased further.
+        again = {r.config for r in self.results if r.purpose == REMEASURE}
+        for config in remeasured_pair(self.results, self.metric):
+            if config not in again:
+                return Proposal(config, REMEASURE, self.predicted(config))
         return None
 
     def _tried(self, family: Family) -> dict[int, TrialResult]:
@@ -319,10 +393,43 @@ class TrialSearch:
             if below not in tried:
                 if self._answered_below(family, current, below):
                     return None
+                if len(chain) == 1 and self.metric != LATENCY and self._unhurt_at(current):
+                    return None
                 return self._propose(family, below)
             if tried[below].outcome != OK:
                 return None
             chain.append(below)
+
+    def _unhurt_at(self, current: TrialResult) -> bool:
+        """Whether a trial at least as full as ``current`` was already seen unhurt by the cap:
+        the next smaller micro-batch of its family ran and was not clearly faster. A step down
+        asks whether the cap's pressure slows a near-full trial; the pressure grows with the
+        share of the cap in use, so where a fuller trial was not slowed, ``current`` is not
+        stepped down either."""
+        fullness = self._fullness(current)
+        for result in self.results:
+            config = result.config
+            family = (config.stage, config.checkpointing, config.bf16)
+            if result.outcome != OK or result is current or self._fullness(result) < fullness:
+                continue
+            tried = self._tried(family)
+            below = [m for m, r in tried.items() if m < config.micro_batch and r.outcome == OK]
+            if below and not clearly_better(tried[max(below)], result, self.metric):
+                decision = (
+                    f"{current.config.describe()}: not stepped down, "
+                    f"{tried[max(below)].config.describe()} was not faster than the fuller "
+                    f"{config.describe()}"
+                )
+                if decision not in self.decisions:
+                    self.decisions.append(decision)
+                return True
+        return False
+
+    def _fullness(self, result: TrialResult) -> float:
+        """The share of the cap ``result``'s measured peak took (0 without either)."""
+        if self.memory_cap is None or result.peak_memory_bytes is None:
+            return 0.0
+        return result.peak_memory_bytes / self.memory_cap
 
     def _name(self, family: Family) -> str:
         stage, checkpointing, bf16 = family
@@ -330,22 +437,24 @@ class TrialSearch:
         return name + (" in bf16" if bf16 else "")
 
     def _answered_below(self, family: Family, current: TrialResult, below: int) -> bool:
-        """Whether a cheaper family already ran micro-batch ``below``, slower than ``current``.
-        A step down asks whether the smaller micro-batch, with room to spare, beats the
-        near-full ``current``; at one micro-batch more sharding or recomputation adds work (the
-        premise of skipping strategies), so this family's ``below`` is predicted no faster than
-        the cheaper one's, which was slower: the step down is not run."""
-        value = current.value(self.metric)
+        """Whether a cheaper family already ran micro-batch ``below``. A step down asks whether
+        the smaller micro-batch, with room to spare, beats the near-full ``current``; at one
+        micro-batch more sharding or recomputation adds work (the premise of skipping
+        strategies), so this family's ``below`` is predicted no faster than the cheaper one's:
+        slower than ``current`` it loses, faster it still cannot beat that measured trial. It
+        is not run."""
         for key in self._cheaper(family):
             cheaper = self._tried(key).get(below)
-            if cheaper and cheaper.outcome == OK and cheaper.value(self.metric) <= value:
-                decision = (
-                    f"{current.config.describe()}: not stepped down, {cheaper.config.describe()} "
-                    "was slower"
-                )
-                if decision not in self.decisions:
-                    self.decisions.append(decision)
-                return True
+            if cheaper is None or cheaper.outcome != OK:
+                continue
+            slower = cheaper.value(self.metric) <= current.value(self.metric)
+            decision = (
+                f"{current.config.describe()}: not stepped down, {cheaper.config.describe()} "
+                + ("was slower" if slower else "bounds it and was measured")
+            )
+            if decision not in self.decisions:
+                self.decisions.append(decision)
+            return True
         return False
 
     def _skip(self, family: Family, fits: int, reached: int) -> None:
