@@ -643,16 +643,24 @@ class TuningSession:
         groups (measured in at least two samples), or among all while none is. A group
         measured once can be high by luck (the best of many noisy samples is biased upwards);
         when the budget runs out after confirmations knocked the leaders down, such a group
-        must not win over one whose score has survived a second look. Its score and gain are
-        those of its confirming samples once it has any (the winner's curse, see
-        :class:`_Measurements`). Those are a choice too, the best of the candidates' pooled
-        scores: its interval allows for the other candidates it was chosen over."""
-        default = self.space.default
+        must not win over one whose score has survived a second look."""
+        candidates = self._candidates()
+        hp = max(candidates, key=lambda hp: candidates[hp].score)
+        return self._claim(hp, candidates)
+
+    def _candidates(self) -> dict[Hyperparameters, _Measurements]:
+        """The groups the choice is made among: the confirmed ones, or all while none is."""
         confirmed = {hp: m for hp, m in self._measurements.items() if m.samples >= 2}
-        candidates = confirmed or self._measurements
-        comparisons = sum(hp != default for hp in candidates)
-        hp, measured = max(candidates.items(), key=lambda item: item[1].score)
-        group = self._latest_group(hp)
+        return confirmed or self._measurements
+
+    def _claim(self, hp: Hyperparameters, candidates: dict[Hyperparameters, _Measurements]) -> Best:
+        """``hp``'s score and gain over the default, with its interval. A group's are those of
+        its confirming samples once it has any (the winner's curse, see :class:`_Measurements`).
+        Those are a choice too, the best of the ``candidates``' pooled scores: its interval
+        allows for the other candidates it was chosen over."""
+        default = self.space.default
+        comparisons = sum(other != default for other in candidates)
+        measured = self._measurements[hp]
         windows = measured.confirming if measured.confirming and hp != default else None
         if windows is None:
             windows, samples = measured.windows, measured.samples
@@ -661,19 +669,43 @@ class TuningSession:
         score = robust_throughput([w.rate for w in windows])
         gain = self._gain_interval(windows, score, samples, comparisons)
         assert gain is not None  # the default group is measured first
-        return Best(group, score, gain[0], _half_width(gain[1]), gain[1])
+        return Best(self._latest_group(hp), score, gain[0], _half_width(gain[1]), gain[1])
+
+    def _challenger(self) -> Best | None:
+        """The group whose gain over the default is in question: the best group; or, while
+        the default leads, the best other group (a confirmed one, if any is) if its interval
+        still reaches above zero. The default's lead can be luck as much as a group's: its
+        first sample is as noisy as any, and a runner-up a few percent faster is then kept out
+        by that alone (docs/tuning_service.md, "The final comparison's statistics")."""
+        assert self._best is not None
+        default = self.space.default
+        if self._best.group.hyperparameters != default:
+            return self._best
+        measured = self._measurements
+        others = [hp for hp in measured if hp != default]
+        others = [hp for hp in others if measured[hp].samples >= 2] or others
+        if not others:
+            return None
+        candidates = self._candidates()
+        claim = self._claim(max(others, key=lambda hp: measured[hp].score), candidates)
+        interval = claim.gain_interval
+        return claim if interval is not None and interval[1] > 0 else None
 
     def _close_call(self, hp: Hyperparameters) -> bool:
         """Whether a confirmation of ``hp`` runs ``close_call_time`` times as long: one of the
-        best group (its gain is claimed from its confirming samples alone), or of the default
-        while the best's gain is not measurable (or was not, when the close call began). The
-        budget counts samples, and a sample of the best group costs nothing while tuning."""
-        best = self._best
-        if best is None or best.group.hyperparameters == self.space.default:
+        challenger (its gain is claimed from its confirming samples alone), or of the default
+        while the challenger's gain is not measurable (or was not, when the close call began).
+        The budget counts samples, and a sample of the challenger costs little while tuning."""
+        if self._best is None:
             return False
-        if hp == best.group.hyperparameters:
+        challenger = self._challenger()
+        if challenger is None:
+            return False
+        if hp == challenger.group.hyperparameters:
             return True
-        return hp == self.space.default and (self._close_calling or not best.measurably_faster)
+        return hp == self.space.default and (
+            self._close_calling or not challenger.measurably_faster
+        )
 
     def _latest_group(self, hp: Hyperparameters) -> Group:
         if self._group.hyperparameters == hp:
@@ -782,33 +814,32 @@ class TuningSession:
 
     def _default_to_confirm(self, remaining: int) -> tuple[Hyperparameters, Phase] | None:
         """The default group again, if another group is about to be chosen over it on one
-        sample of the default and budget remains; None: complete.
+        sample of the default, or the close call between the two; None: complete.
 
         The default's only sample is the job's first after warmup, which can be slow for
         reasons of its own (caches, the allocator, ranks still settling), and the chosen group's
         pooled score is the best of many: set against that one sample, the gain reported to the
         user overstates the true one (docs/tuning_service.md has the figures)."""
         default = self.space.default
-        assert self._best is not None
-        best = self._best.group.hyperparameters
-        if not self.config.confirm_top or remaining <= 0 or best == default:
+        if not self.config.confirm_top or remaining <= 0:
+            return None
+        challenger = self._challenger()
+        if challenger is None:
             return None
         if self._measurements[default].samples < 2:
             return default, Phase.CONFIRM
-        if self._close_calling or not self._best.measurably_faster:
+        if self._close_calling or not challenger.measurably_faster:
             # Too close to call: measure whichever of the two has fewer windows, narrowing the
-            # interval, rather than complete on a gain within the noise. The best group's gain
+            # interval, rather than complete on a gain within the noise. The challenger's gain
             # is claimed from its confirming windows only. Once begun, this runs to the end of
             # the budget and the interval is looked at once, there: stopping at the first
             # sample whose interval clears zero would pick the luckiest of many looks, and
             # both the claim and the choice over the default would be too often wrong.
             self._close_calling = True
+            hp = challenger.group.hyperparameters
             measured = self._measurements
-            windows = {
-                best: len(measured[best].confirming),
-                default: len(measured[default].windows),
-            }
-            return min((best, default), key=windows.__getitem__), Phase.CONFIRM
+            windows = {hp: len(measured[hp].confirming), default: len(measured[default].windows)}
+            return min((hp, default), key=windows.__getitem__), Phase.CONFIRM
         return None
 
     def _sample_cost(self) -> Callable[[np.ndarray], np.ndarray] | None:
