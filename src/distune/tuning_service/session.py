@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+from scipy.stats import t as student_t
 
 from distune.errors import DistuneError
 from distune.space import FixedKnobs, Hyperparameters, ModelFacts, SearchSpace
@@ -262,6 +263,11 @@ class _Sample(_Windows):
 _PRIOR_WINDOW_SIGMA = 0.05
 #: The least window noise assumed, however quiet the measurements look.
 _MIN_WINDOW_SIGMA = 0.005
+#: The between-sample spread's prior guess, as a share of the window noise, and how many
+#: degrees of freedom it is worth (TuningSession._sample_sigma; chosen on the training draw,
+#: docs/tuning_service.md "The between-sample spread's prior").
+_SAMPLE_PRIOR_SHARE = 0.25
+_SAMPLE_PRIOR_FREEDOM = 2.0
 #: The median absolute deviation of normal noise times this is its standard deviation.
 _MAD_TO_SIGMA = 1.4826
 #: A switch window is judged less this many times the dearest switch measured so far.
@@ -503,15 +509,23 @@ class TuningSession:
             return _PRIOR_WINDOW_SIGMA
         return max(_MIN_WINDOW_SIGMA, _MAD_TO_SIGMA * statistics.median(deviations))
 
-    def _sample_sigma(self, window_sigma: float) -> float:
+    def _sample_sigma(self, window_sigma: float) -> tuple[float, float]:
         """The standard deviation of a sample's mean log rate beyond its windows' noise:
-        from groups measured in several samples, the spread of their sample means less what
-        the window noise explains (0 until a group has two such samples). A group other than
-        the default was measured again because its first sample scored high, partly by luck:
-        that sample would inflate the spread, so only the later ones count.
+        pooled over every group measured in several samples (one-way analysis of variance),
+        the spread of their sample means less what the window noise explains. A group other
+        than the default was measured again because its first sample scored high, partly by
+        luck: that sample would inflate the spread, so only the later ones count. Unbiased:
+        about their own centre, ``k`` sample means scatter by ``(k - 1) / k`` of their
+        variances summed, the samples' spread and each one's window noise alike.
 
-        Unbiased: about their own centre, ``k`` sample means scatter by ``(k - 1) / k`` of
-        their variances summed, the samples' spread and each one's window noise alike."""
+        Regularised by a prior guess, ``_SAMPLE_PRIOR_SHARE`` of the window noise, worth
+        ``_SAMPLE_PRIOR_FREEDOM`` degrees of freedom (the variances averaged by degrees of
+        freedom, as a scaled inverse chi-square prior's posterior does). Until late in a
+        session the estimate rests on one or two degrees of freedom, often on the default's
+        two samples alone: unregularised it was 0 in half the runs and, when one of those
+        samples was lucky, large enough to make the interval ±20-35 %. With the prior it is
+        neither; with more measurements the data outweigh it. Returns the standard deviation
+        and the degrees of freedom it rests on, the prior's included."""
         excess, freedom = 0.0, 0
         for hp, measured in self._measurements.items():
             means = measured.sample_means
@@ -524,7 +538,11 @@ class TuningSession:
                     noise = window_sigma**2 * trimmed_variance_factor(count) / count
                     excess += (mean - centre) ** 2 - noise * (k - 1) / k
                 freedom += k - 1
-        return math.sqrt(max(0.0, excess / freedom)) if freedom else 0.0
+        prior = (_SAMPLE_PRIOR_SHARE * window_sigma) ** 2
+        weight = _SAMPLE_PRIOR_FREEDOM + freedom
+        if not weight:
+            return 0.0, 0.0
+        return math.sqrt(max(0.0, (_SAMPLE_PRIOR_FREEDOM * prior + excess) / weight)), weight
 
     def _gain_interval(
         self, windows: list[Window], score: float, samples: int = 1, comparisons: int = 1
@@ -546,14 +564,21 @@ class TuningSession:
         if windows is default.windows:
             return 0.0, (0.0, 0.0)
         miss = (1.0 - self.config.gain_confidence) / max(1, comparisons)
-        z = statistics.NormalDist().inv_cdf(1.0 - miss / 2.0)
         window_sigma = self._window_sigma()
-        sample_sigma = self._sample_sigma(window_sigma)
-        variance = window_sigma**2 * sum(
+        sample_sigma, freedom = self._sample_sigma(window_sigma)
+        window_part = window_sigma**2 * sum(
             trimmed_variance_factor(len(side)) / len(side) for side in (windows, default.windows)
         )
-        variance += sample_sigma**2 * (1.0 / samples + 1.0 / max(1, default.samples))
-        half = z * math.sqrt(variance)
+        sample_part = sample_sigma**2 * (1.0 / samples + 1.0 / max(1, default.samples))
+        variance = window_part + sample_part
+        if sample_part > 0:
+            # Welch-Satterthwaite: the window noise rests on many windows, the samples'
+            # spread on few degrees of freedom.
+            effective = freedom * (variance / sample_part) ** 2
+            quantile = float(student_t.ppf(1.0 - miss / 2.0, effective))
+        else:
+            quantile = statistics.NormalDist().inv_cdf(1.0 - miss / 2.0)
+        half = quantile * math.sqrt(variance)
         return math.expm1(delta), (math.expm1(delta - half), math.expm1(delta + half))
 
     def _sample_complete(self) -> bool:
