@@ -265,7 +265,7 @@ _PRIOR_WINDOW_SIGMA = 0.05
 _MIN_WINDOW_SIGMA = 0.005
 #: The between-sample spread's prior guess, as a share of the window noise, and how many
 #: degrees of freedom it is worth (TuningSession._sample_sigma; chosen on the training draw,
-#: docs/tuning_service.md "The between-sample spread's prior").
+#: docs/tuning_service.md "The final comparison's statistics").
 _SAMPLE_PRIOR_SHARE = 0.25
 _SAMPLE_PRIOR_FREEDOM = 2.0
 #: The median absolute deviation of normal noise times this is its standard deviation.
