@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from benchmarks.tuner_quality.compare import (
+    SHORTFALL_BARS,
     Run,
     compare,
     coverage_table,
@@ -38,6 +39,7 @@ from benchmarks.tuner_quality.compare import (
     percentile_table,
     plot,
     save_runs,
+    shortfall_table,
     summary_table,
 )
 from benchmarks.tuner_quality.landscapes import Landscape, standard_suite
@@ -254,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{defaults[len(defaults) // 2]:.2f}, min {defaults[0]:.3f}\n"
         )
         print(percentile_table(runs, checkpoints))
+        bars = " / ".join(f"{bar:.2f}" for bar in SHORTFALL_BARS)
+        print(f"\nRuns that kept a group below {bars} of the best group:\n")
+        print(shortfall_table(runs, checkpoints))
         coverage = coverage_table(runs, checkpoints)
         if coverage:
             print("\nHow often the reported gain's 95% interval holds the true gain:\n")

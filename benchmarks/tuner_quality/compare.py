@@ -257,6 +257,28 @@ def percentile_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
     return "\n".join(lines)
 
 
+#: The issue's bars for the final choice: the counts below them say more than a percentile
+#: that moves by single runs.
+SHORTFALL_BARS = (0.97, 0.99)
+
+
+def shortfall_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
+    """A markdown table: per tuner and budget, how many runs kept a group below each of
+    :data:`SHORTFALL_BARS` of the best group, of how many runs."""
+    tuners = list(dict.fromkeys(run.tuner for run in runs))
+    header = ["tuner", *(f"budget {k}" for k in checkpoints)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for tuner in tuners:
+        mine = [run for run in runs if run.tuner == tuner]
+        cells = [tuner]
+        for k in checkpoints:
+            final = [run.fraction_at(k) for run in mine]
+            below = " / ".join(str(sum(f < bar for f in final)) for bar in SHORTFALL_BARS)
+            cells.append(f"{below} of {len(final)}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def coverage_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
     """A markdown table: per tuner that reports an interval on its gain, how often the interval
     holds the true gain of the kept group, per budget; empty if none does."""

@@ -13,6 +13,7 @@ from benchmarks.tuner_quality.compare import (
     budget_to_good,
     compare,
     gain_claim_table,
+    shortfall_table,
     summary_table,
 )
 from benchmarks.tuner_quality.landscapes import Landscape, hump_landscape, oracle_tables
@@ -178,6 +179,16 @@ def test_runs_saved_by_separate_processes_make_one_table(
     out = capsys.readouterr().out
     assert "2 landscapes x 3 seeds (grid 1)" in out
     assert "| random | 5 |" in out and "| grid | 8 |" in out
+    assert "Runs that kept a group below 0.97 / 0.99 of the best group" in out
+
+
+def test_the_shortfall_table_counts_runs_below_each_bar() -> None:
+    def run(seed: int, fractions: tuple[float, ...]) -> Run:
+        return Run("distune", "a", seed, (5, 8), fractions, (5, 8), (None, None))
+
+    runs = [run(0, (0.96, 1.0)), run(1, (0.98, 0.995)), run(2, (1.0, 0.97))]
+    table = shortfall_table(runs, [5, 8])
+    assert table.splitlines()[-1] == "| distune | 1 / 2 of 3 | 0 / 1 of 3 |"
 
 
 def test_saved_runs_without_the_checkpoints_asked_are_refused_naming_them(

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+from scipy.stats import t as student_t
 
 from distune.errors import DistuneError
 from distune.space import FixedKnobs, Hyperparameters, ModelFacts, SearchSpace
@@ -262,6 +263,11 @@ class _Sample(_Windows):
 _PRIOR_WINDOW_SIGMA = 0.05
 #: The least window noise assumed, however quiet the measurements look.
 _MIN_WINDOW_SIGMA = 0.005
+#: The between-sample spread's prior guess, as a share of the window noise, and how many
+#: degrees of freedom it is worth (TuningSession._sample_sigma; chosen on the training draw,
+#: docs/tuning_service.md "The final comparison's statistics").
+_SAMPLE_PRIOR_SHARE = 0.25
+_SAMPLE_PRIOR_FREEDOM = 2.0
 #: The median absolute deviation of normal noise times this is its standard deviation.
 _MAD_TO_SIGMA = 1.4826
 #: A switch window is judged less this many times the dearest switch measured so far.
@@ -503,15 +509,23 @@ class TuningSession:
             return _PRIOR_WINDOW_SIGMA
         return max(_MIN_WINDOW_SIGMA, _MAD_TO_SIGMA * statistics.median(deviations))
 
-    def _sample_sigma(self, window_sigma: float) -> float:
+    def _sample_sigma(self, window_sigma: float) -> tuple[float, float]:
         """The standard deviation of a sample's mean log rate beyond its windows' noise:
-        from groups measured in several samples, the spread of their sample means less what
-        the window noise explains (0 until a group has two such samples). A group other than
-        the default was measured again because its first sample scored high, partly by luck:
-        that sample would inflate the spread, so only the later ones count.
+        pooled over every group measured in several samples (one-way analysis of variance),
+        the spread of their sample means less what the window noise explains. A group other
+        than the default was measured again because its first sample scored high, partly by
+        luck: that sample would inflate the spread, so only the later ones count. Unbiased:
+        about their own centre, ``k`` sample means scatter by ``(k - 1) / k`` of their
+        variances summed, the samples' spread and each one's window noise alike.
 
-        Unbiased: about their own centre, ``k`` sample means scatter by ``(k - 1) / k`` of
-        their variances summed, the samples' spread and each one's window noise alike."""
+        Regularised by a prior guess, ``_SAMPLE_PRIOR_SHARE`` of the window noise, worth
+        ``_SAMPLE_PRIOR_FREEDOM`` degrees of freedom (the variances averaged by degrees of
+        freedom, as a scaled inverse chi-square prior's posterior does). Until late in a
+        session the estimate rests on one or two degrees of freedom, often on the default's
+        two samples alone: unregularised it was 0 in half the runs and, when one of those
+        samples was lucky, large enough to make the interval ±20-35 %. With the prior it is
+        neither; with more measurements the data outweigh it. Returns the standard deviation
+        and the degrees of freedom it rests on, the prior's included."""
         excess, freedom = 0.0, 0
         for hp, measured in self._measurements.items():
             means = measured.sample_means
@@ -524,7 +538,11 @@ class TuningSession:
                     noise = window_sigma**2 * trimmed_variance_factor(count) / count
                     excess += (mean - centre) ** 2 - noise * (k - 1) / k
                 freedom += k - 1
-        return math.sqrt(max(0.0, excess / freedom)) if freedom else 0.0
+        prior = (_SAMPLE_PRIOR_SHARE * window_sigma) ** 2
+        weight = _SAMPLE_PRIOR_FREEDOM + freedom
+        if not weight:
+            return 0.0, 0.0
+        return math.sqrt(max(0.0, (_SAMPLE_PRIOR_FREEDOM * prior + excess) / weight)), weight
 
     def _gain_interval(
         self, windows: list[Window], score: float, samples: int = 1, comparisons: int = 1
@@ -546,14 +564,21 @@ class TuningSession:
         if windows is default.windows:
             return 0.0, (0.0, 0.0)
         miss = (1.0 - self.config.gain_confidence) / max(1, comparisons)
-        z = statistics.NormalDist().inv_cdf(1.0 - miss / 2.0)
         window_sigma = self._window_sigma()
-        sample_sigma = self._sample_sigma(window_sigma)
-        variance = window_sigma**2 * sum(
+        sample_sigma, freedom = self._sample_sigma(window_sigma)
+        window_part = window_sigma**2 * sum(
             trimmed_variance_factor(len(side)) / len(side) for side in (windows, default.windows)
         )
-        variance += sample_sigma**2 * (1.0 / samples + 1.0 / max(1, default.samples))
-        half = z * math.sqrt(variance)
+        sample_part = sample_sigma**2 * (1.0 / samples + 1.0 / max(1, default.samples))
+        variance = window_part + sample_part
+        if sample_part > 0:
+            # Welch-Satterthwaite: the window noise rests on many windows, the samples'
+            # spread on few degrees of freedom.
+            effective = freedom * (variance / sample_part) ** 2
+            quantile = float(student_t.ppf(1.0 - miss / 2.0, effective))
+        else:
+            quantile = statistics.NormalDist().inv_cdf(1.0 - miss / 2.0)
+        half = quantile * math.sqrt(variance)
         return math.expm1(delta), (math.expm1(delta - half), math.expm1(delta + half))
 
     def _sample_complete(self) -> bool:
@@ -643,16 +668,24 @@ class TuningSession:
         groups (measured in at least two samples), or among all while none is. A group
         measured once can be high by luck (the best of many noisy samples is biased upwards);
         when the budget runs out after confirmations knocked the leaders down, such a group
-        must not win over one whose score has survived a second look. Its score and gain are
-        those of its confirming samples once it has any (the winner's curse, see
-        :class:`_Measurements`). Those are a choice too, the best of the candidates' pooled
-        scores: its interval allows for the other candidates it was chosen over."""
-        default = self.space.default
+        must not win over one whose score has survived a second look."""
+        candidates = self._candidates()
+        hp = max(candidates, key=lambda hp: candidates[hp].score)
+        return self._claim(hp, candidates)
+
+    def _candidates(self) -> dict[Hyperparameters, _Measurements]:
+        """The groups the choice is made among: the confirmed ones, or all while none is."""
         confirmed = {hp: m for hp, m in self._measurements.items() if m.samples >= 2}
-        candidates = confirmed or self._measurements
-        comparisons = sum(hp != default for hp in candidates)
-        hp, measured = max(candidates.items(), key=lambda item: item[1].score)
-        group = self._latest_group(hp)
+        return confirmed or self._measurements
+
+    def _claim(self, hp: Hyperparameters, candidates: dict[Hyperparameters, _Measurements]) -> Best:
+        """``hp``'s score and gain over the default, with its interval. A group's are those of
+        its confirming samples once it has any (the winner's curse, see :class:`_Measurements`).
+        Those are a choice too, the best of the ``candidates``' pooled scores: its interval
+        allows for the other candidates it was chosen over."""
+        default = self.space.default
+        comparisons = sum(other != default for other in candidates)
+        measured = self._measurements[hp]
         windows = measured.confirming if measured.confirming and hp != default else None
         if windows is None:
             windows, samples = measured.windows, measured.samples
@@ -661,19 +694,43 @@ class TuningSession:
         score = robust_throughput([w.rate for w in windows])
         gain = self._gain_interval(windows, score, samples, comparisons)
         assert gain is not None  # the default group is measured first
-        return Best(group, score, gain[0], _half_width(gain[1]), gain[1])
+        return Best(self._latest_group(hp), score, gain[0], _half_width(gain[1]), gain[1])
+
+    def _challenger(self) -> Best | None:
+        """The group whose gain over the default is in question: the best group; or, while
+        the default leads, the best other group (a confirmed one, if any is) if its interval
+        still reaches above zero. The default's lead can be luck as much as a group's: its
+        first sample is as noisy as any, and a runner-up a few percent faster is then kept out
+        by that alone (docs/tuning_service.md, "The final comparison's statistics")."""
+        assert self._best is not None
+        default = self.space.default
+        if self._best.group.hyperparameters != default:
+            return self._best
+        measured = self._measurements
+        others = [hp for hp in measured if hp != default]
+        others = [hp for hp in others if measured[hp].samples >= 2] or others
+        if not others:
+            return None
+        candidates = self._candidates()
+        claim = self._claim(max(others, key=lambda hp: measured[hp].score), candidates)
+        interval = claim.gain_interval
+        return claim if interval is not None and interval[1] > 0 else None
 
     def _close_call(self, hp: Hyperparameters) -> bool:
         """Whether a confirmation of ``hp`` runs ``close_call_time`` times as long: one of the
-        best group (its gain is claimed from its confirming samples alone), or of the default
-        while the best's gain is not measurable (or was not, when the close call began). The
-        budget counts samples, and a sample of the best group costs nothing while tuning."""
-        best = self._best
-        if best is None or best.group.hyperparameters == self.space.default:
+        challenger (its gain is claimed from its confirming samples alone), or of the default
+        while the challenger's gain is not measurable (or was not, when the close call began).
+        The budget counts samples, and a sample of the challenger costs little while tuning."""
+        if self._best is None:
             return False
-        if hp == best.group.hyperparameters:
+        challenger = self._challenger()
+        if challenger is None:
+            return False
+        if hp == challenger.group.hyperparameters:
             return True
-        return hp == self.space.default and (self._close_calling or not best.measurably_faster)
+        return hp == self.space.default and (
+            self._close_calling or not challenger.measurably_faster
+        )
 
     def _latest_group(self, hp: Hyperparameters) -> Group:
         if self._group.hyperparameters == hp:
@@ -782,33 +839,32 @@ class TuningSession:
 
     def _default_to_confirm(self, remaining: int) -> tuple[Hyperparameters, Phase] | None:
         """The default group again, if another group is about to be chosen over it on one
-        sample of the default and budget remains; None: complete.
+        sample of the default, or the close call between the two; None: complete.
 
         The default's only sample is the job's first after warmup, which can be slow for
         reasons of its own (caches, the allocator, ranks still settling), and the chosen group's
         pooled score is the best of many: set against that one sample, the gain reported to the
         user overstates the true one (docs/tuning_service.md has the figures)."""
         default = self.space.default
-        assert self._best is not None
-        best = self._best.group.hyperparameters
-        if not self.config.confirm_top or remaining <= 0 or best == default:
+        if not self.config.confirm_top or remaining <= 0:
+            return None
+        challenger = self._challenger()
+        if challenger is None:
             return None
         if self._measurements[default].samples < 2:
             return default, Phase.CONFIRM
-        if self._close_calling or not self._best.measurably_faster:
+        if self._close_calling or not challenger.measurably_faster:
             # Too close to call: measure whichever of the two has fewer windows, narrowing the
-            # interval, rather than complete on a gain within the noise. The best group's gain
+            # interval, rather than complete on a gain within the noise. The challenger's gain
             # is claimed from its confirming windows only. Once begun, this runs to the end of
             # the budget and the interval is looked at once, there: stopping at the first
             # sample whose interval clears zero would pick the luckiest of many looks, and
             # both the claim and the choice over the default would be too often wrong.
             self._close_calling = True
+            hp = challenger.group.hyperparameters
             measured = self._measurements
-            windows = {
-                best: len(measured[best].confirming),
-                default: len(measured[default].windows),
-            }
-            return min((best, default), key=windows.__getitem__), Phase.CONFIRM
+            windows = {hp: len(measured[hp].confirming), default: len(measured[default].windows)}
+            return min((hp, default), key=windows.__getitem__), Phase.CONFIRM
         return None
 
     def _sample_cost(self) -> Callable[[np.ndarray], np.ndarray] | None:

@@ -394,15 +394,18 @@ def test_the_default_is_measured_again_before_another_group_is_chosen():
 def test_a_default_unlucky_the_first_time_wins_on_its_second_look():
     """The default is truly the fastest (100/s, every other group 90/s) but its first sample
     reads 85/s: the search moves on and confirms another group, then the default's second
-    sample lifts its pooled score to 92.5/s and the session keeps the default after all."""
+    sample lifts its pooled score above the others' and the session keeps the default after
+    all. (Its two samples disagree by 16%, so the runner-up's interval still reaches above
+    zero, and the budget left goes to the two: the default's lead only grows.)"""
     default = Hyperparameters(25, False)
     s = session(TuningConfig(max_samples=20, sampling_confidence_time=3.0, warmup_time=0, seed=2))
     while s.view.state is not State.COMPLETED:
         hp = s.view.current.hyperparameters
         window(s, (85.0 if s.view.samples == 0 else 100.0) if hp == default else 90.0)
-    assert [r.phase for r in _samples_of(s, default)] == [Phase.DEFAULT, Phase.CONFIRM]
+    phases = [r.phase for r in _samples_of(s, default)]
+    assert phases[:2] == [Phase.DEFAULT, Phase.CONFIRM] and set(phases[2:]) <= {Phase.CONFIRM}
     assert s.view.best.group.hyperparameters == default == s.view.current.hyperparameters
-    assert s.view.best.score == pytest.approx(92.5)
+    assert 92.5 <= s.view.best.score <= 100.0
     assert s.view.best.gain_vs_default == 0.0
 
 
