@@ -7,6 +7,7 @@
     .venv/bin/python -m benchmarks.level2_policies replay [--cap-mib N] [--first-pass N] GRID
     .venv/bin/python -m benchmarks.level2_policies memory OUT_DIR/grid.json
     .venv/bin/python -m benchmarks.level2_policies noise OUT_DIR/grid.json
+    .venv/bin/python -m benchmarks.level2_policies report OUT_DIR/grid.json
 
 ``measure`` runs the exhaustive grid of the job's level-2 space as real trials, in passes, and
 with ``--level2`` a real ``distune-run --autotune_level 2 --autotune_mode tune`` of the same job
@@ -15,8 +16,10 @@ with ``--testbed RATE`` every trial and the level-2 run are multi-node jobs on t
 testbed (needs root). ``level2`` adds a later real level-2 run to a measured grid. ``replay``
 runs every policy against the grid and prints the comparison as a Markdown table; ``memory``
 prints the memory model's prediction error on the grid's configurations; ``noise`` how much a
-configuration's passes differ. ``measure --only zero3:16x1 ...`` measures only the named
-configurations (a noise check).
+configuration's passes differ; ``report`` everything the issue's bar asks of the grid (the
+comparison on the passes' mean and on each single pass, the noise, the load averages, and each
+real run's verdict), which ``measure`` and ``level2`` print at the end. ``measure --only
+zero3:16x1 ...`` measures only the named configurations (a noise check).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from benchmarks.level2_policies.level2_run import level2_argv, run_level2_local,
 from benchmarks.level2_policies.memory_error import error_summary
 from benchmarks.level2_policies.noise import noise_table
 from benchmarks.level2_policies.policies import compare_table, table_at_cap
+from benchmarks.level2_policies.report import report
 from benchmarks.level2_policies.trial_hosts import LocalTrials, TestbedTrials, testbed_environment
 from benchmarks.testbed.distune_job import run_distune
 from benchmarks.testbed.network import Testbed
@@ -112,6 +116,8 @@ def _parser() -> argparse.ArgumentParser:
     memory.add_argument("grid", type=Path)
     noise = commands.add_parser("noise", help="how much the grid's passes differ")
     noise.add_argument("grid", type=Path)
+    everything = commands.add_parser("report", help="every figure of the bar, and its verdict")
+    everything.add_argument("grid", type=Path)
     return parser  # fmt: skip
 
 
@@ -172,13 +178,11 @@ class _Host:
 
 def main() -> None:
     args = _parser().parse_args()
-    if args.command in ("replay", "memory", "noise"):
+    if args.command in ("replay", "memory", "noise", "report"):
         table = json.loads(args.grid.read_text(encoding="utf-8"))
-        if args.command == "memory":
-            print(error_summary(table))
-            return
-        if args.command == "noise":
-            print(noise_table(table))
+        if args.command != "replay":
+            shown = {"memory": error_summary, "noise": noise_table, "report": report}
+            print(shown[args.command](table))
             return
         if args.cap_mib is not None:
             try:
@@ -207,7 +211,7 @@ def main() -> None:
             if args.level2 and args.passes == 1:
                 runs.append(host.level2("level2-1"))
         save(table)
-        print(noise_table(table) if args.only else compare_table(table))
+        print(noise_table(table) if args.only else report(table))
         return
     table = json.loads(args.grid.read_text(encoding="utf-8"))
     out = args.grid.parent
@@ -215,7 +219,7 @@ def main() -> None:
         run = host.level2(f"level2-{len(table.get('level2_runs', [])) + 1}")
     table.setdefault("level2_runs", []).append({**run, "later": True, "label": args.label})
     args.grid.write_text(json.dumps(table, indent=1), encoding="utf-8")
-    print(compare_table(table))
+    print(report(table))
 
 
 if __name__ == "__main__":

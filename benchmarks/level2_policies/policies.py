@@ -191,6 +191,22 @@ def _spread(row: dict[str, Any]) -> str:
     return f" ({min(values):.1f}-{max(values):.1f})"
 
 
+def replayed_choices(grid: Grid) -> list[Choice]:
+    """distune's search, the DeepSpeed-style policy and hand-tuning, replayed on ``grid``."""
+    return [distune_policy(grid), deepspeed_policy(grid), hand_tuning_policy(grid)]
+
+
+def real_runs(table: dict[str, Any]) -> list[Choice]:
+    """The grid's real level-2 runs, each as what it ran (its own trials' durations) and chose."""
+    runs = []
+    for index, run in enumerate(table.get("level2_runs", []), 1):
+        chosen = TrialConfig(*run["chosen"]) if run.get("chosen") else None
+        label = "distune-run --autotune_level 2" + (f" (run {index})" if index > 1 else "")
+        label += f", {run['label']}" if run.get("label") else ""
+        runs.append(Choice(label, chosen, int(run["trials"]), float(run["seconds"])))
+    return runs
+
+
 def compare_table(table: dict[str, Any], first_pass: int | None = None) -> str:
     """The comparison as Markdown: each policy's trials, time, choice and its grid throughput
     (with the range over the grid's passes), the grid first and real level-2 runs last. The
@@ -205,13 +221,7 @@ def compare_table(table: dict[str, Any], first_pass: int | None = None) -> str:
         f"| exhaustive grid (one pass) | {len(table['rows'])} | {grid_seconds:.0f} | "
         f"{best.describe()} | {top:.1f}{_spread(grid.rows[best])} | 1.00 |",
     ]
-    choices = [distune_policy(grid), deepspeed_policy(grid), hand_tuning_policy(grid)]
-    for index, run in enumerate(table.get("level2_runs", []), 1):
-        chosen = TrialConfig(*run["chosen"]) if run.get("chosen") else None
-        label = "distune-run --autotune_level 2" + (f" (run {index})" if index > 1 else "")
-        label += f", {run['label']}" if run.get("label") else ""
-        choices.append(Choice(label, chosen, int(run["trials"]), float(run["seconds"])))
-    for choice in choices:
+    for choice in replayed_choices(grid) + real_runs(table):
         value = grid.throughput(choice.chosen)
         chosen_text = "none"
         if choice.chosen is not None:

@@ -16,6 +16,7 @@ from benchmarks.level2_policies.policies import (
     hand_tuning_policy,
     table_at_cap,
 )
+from benchmarks.level2_policies.report import report, verdict
 
 from distune.tuning_service.trials.trial_config import TrialConfig, TrialPins
 from distune.tuning_service.trials.trial_space import TrialSpace
@@ -186,3 +187,30 @@ def test_the_noise_table_gives_each_configurations_range_over_its_passes() -> No
     assert "| zero1, micro-batch 4 x 4 | " in text
     # Every row differs by 20 % of the first pass: (1 - 0.8) / 0.9 of the mean.
     assert "range / mean at the median 22%, largest 22%" in text
+
+
+def test_the_report_judges_each_real_run_against_every_clause_of_the_bar() -> None:
+    measured = {**table_at_cap(with_passes(table(), 0.8), 230 * MiB), "passes": 2}
+    measured["load_average"] = [[1.0, 0, 0], [2.0, 0, 0], [3.0, 0, 0], [4.0, 0, 0]]
+    grid = Grid(measured)
+    best, deepspeed = grid.best(), deepspeed_policy(grid)
+    hand = hand_tuning_policy(grid)
+    assert hand.chosen is not None and hand.chosen != best  # the test means something
+    measured["level2_runs"] = [
+        {"trials": deepspeed.trials - 1, "seconds": deepspeed.seconds - 1,
+         "chosen": list(vars(best).values()), "load_average": [[2.5, 0, 0], [2.75, 0, 0]]},
+        {"trials": deepspeed.trials, "seconds": deepspeed.seconds + 1,
+         "chosen": list(vars(hand.chosen).values()), "later": True},
+    ]  # fmt: skip
+    first, later = verdict(measured).split("\ndistune-run --autotune_level 2 (run 2)")
+    assert "(side by side): chose" in first and "1.00 of the grid's best" in first
+    assert "at least 0.97 of the best: met" in first and "NOT met" not in first
+    assert f"{deepspeed.trials - 1} against {deepspeed.trials} (single passes: " in first
+    # Hand-tuning's own choice, in as many trials and more time: only the 0.97 clause holds.
+    assert later.startswith(" (a later run, NOT side by side)")
+    assert later.count("NOT met") == 3 and "at least 0.97 of the best: met" in later
+    text = report(measured)
+    assert "Replayed on single passes (first measurements from pass 2):" in text
+    assert "pass 1 1.0 -> 2.0; pass 2 3.0 -> 4.0; real run 1 2.5 -> 2.8" in text
+    assert "range / mean at the median 22%" in text
+    assert verdict(table()).startswith("no real level-2 run")
