@@ -20,6 +20,7 @@ from benchmarks.level2_policies.policies import (
     hand_tuning_policy,
     real_runs,
 )
+from distune.tuning_service.trials.trial_config import TrialConfig
 
 #: The share of the grid's best a real run's choice must reach.
 BAR = 0.97
@@ -43,10 +44,35 @@ def _load_line(table: dict[str, Any]) -> str:
     return "1-minute load averages: " + ("; ".join(parts) if parts else "not recorded")
 
 
+def _priced(seconds: float | None, deepspeed_seconds: float) -> str:
+    if seconds is None:
+        return ""
+    return (
+        f"; its trials at the grid's mean durations {seconds:.0f} s: "
+        f"{_met(seconds < deepspeed_seconds)}"
+    )
+
+
 def _single_passes(table: dict[str, Any]) -> list[int]:
     """The passes a single-pass replay can start from (none for a one-pass grid)."""
     passes = int(table.get("passes", 1))
     return list(range(passes)) if passes > 1 else []
+
+
+def priced_seconds(grid: Grid, run: dict[str, Any]) -> float | None:
+    """A real run's trials priced at the grid's mean duration of each configuration (the
+    profile at the profile's): its time as the replays count theirs, free of the load the run
+    itself met. None if a trial's configuration is not in the grid."""
+    total = 0.0
+    for row in run.get("rows", []):
+        if row.get("purpose") == "profile":
+            total += float(grid.profile_row["duration"])
+            continue
+        config = TrialConfig.from_config(row["config"])
+        if config not in grid.rows:
+            return None
+        total += float(grid.rows[config]["duration"])
+    return total if run.get("rows") else None
 
 
 def verdict(table: dict[str, Any]) -> str:
@@ -77,7 +103,8 @@ def verdict(table: dict[str, Any]) -> str:
             f"{run.trials} against {deepspeed.trials}{of_single}: "
             f"{_met(run.trials < deepspeed.trials)}",
             f"- less time than DeepSpeed-style: {run.seconds:.0f} s against "
-            f"{deepspeed.seconds:.0f} s{of_single_s}: {_met(run.seconds < deepspeed.seconds)}",
+            f"{deepspeed.seconds:.0f} s{of_single_s}: {_met(run.seconds < deepspeed.seconds)}"
+            + _priced(priced_seconds(grid, measured), deepspeed.seconds),
             f"- faster than hand-tuning ({named(hand)}): {share(run):.2f} against "
             f"{share(hand):.2f} of the best: {_met(share(run) > share(hand))}",
         ]

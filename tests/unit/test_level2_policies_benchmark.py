@@ -198,7 +198,9 @@ def test_the_report_judges_each_real_run_against_every_clause_of_the_bar() -> No
     assert hand.chosen is not None and hand.chosen != best  # the test means something
     measured["level2_runs"] = [
         {"trials": deepspeed.trials - 1, "seconds": deepspeed.seconds - 1,
-         "chosen": list(vars(best).values()), "load_average": [[2.5, 0, 0], [2.75, 0, 0]]},
+         "chosen": list(vars(best).values()), "load_average": [[2.5, 0, 0], [2.75, 0, 0]],
+         "rows": [{"purpose": "profile", "config": PROFILE.to_config(WORLD)},
+                  {"purpose": "search", "config": best.to_config(WORLD)}]},
         {"trials": deepspeed.trials, "seconds": deepspeed.seconds + 1,
          "chosen": list(vars(hand.chosen).values()), "later": True},
     ]  # fmt: skip
@@ -206,6 +208,8 @@ def test_the_report_judges_each_real_run_against_every_clause_of_the_bar() -> No
     assert "(side by side): chose" in first and "1.00 of the grid's best" in first
     assert "at least 0.97 of the best: met" in first and "NOT met" not in first
     assert f"{deepspeed.trials - 1} against {deepspeed.trials} (single passes: " in first
+    # Its two trials priced at the grid's mean durations (10 s each), free of the run's load.
+    assert "its trials at the grid's mean durations 20 s: met" in first
     # Hand-tuning's own choice, in as many trials and more time: only the 0.97 clause holds.
     assert later.startswith(" (a later run, NOT side by side)")
     assert later.count("NOT met") == 3 and "at least 0.97 of the best: met" in later
