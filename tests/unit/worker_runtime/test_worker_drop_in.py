@@ -536,6 +536,7 @@ def test_a_trainable_parameter_added_after_wrapping_is_an_error_at_the_next_forw
     unrelated = nn.Linear(2, 2)  # registered elsewhere in the process: no effect
     unrelated.extra = nn.Parameter(torch.ones(1))
     model.module[0].weight = model.module[0].weight  # the same parameter again: fine
+    assert not model._reducer._added.changed, "nothing new: no scan at the next forward"
     step(model)
     model.module.add_module("head", nn.Linear(4, 4))
     with pytest.raises(ReductionError, match=r"\(head\.weight, head\.bias\).*added"):
