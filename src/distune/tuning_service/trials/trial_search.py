@@ -83,6 +83,15 @@ def remeasured_pair(results: Iterable[TrialResult], metric: str) -> list[TrialCo
     return [config for config, _ in ranking(first, metric)[:REMEASURED]]
 
 
+def settled_pair(results: Iterable[TrialResult], metric: str) -> list[TrialConfig]:
+    """The re-measured pair once both re-measures ran ok, else ``[]``: only then can the two
+    be compared within pairs."""
+    results = list(results)
+    pair = remeasured_pair(results, metric)
+    again = {r.config for r in results if r.purpose == REMEASURE and r.outcome == OK}
+    return pair if len(pair) > 1 and all(config in again for config in pair) else []
+
+
 def chosen(results: Iterable[TrialResult], metric: str) -> TrialConfig | None:
     """The winning configuration of ``results``: of the re-measured pair, where both
     re-measures ran ok, the one ahead when compared within pairs (its first measurement over
@@ -100,9 +109,8 @@ def chosen(results: Iterable[TrialResult], metric: str) -> TrialConfig | None:
     ranked = ranking(results, metric)
     if not ranked:
         return None
-    pair = remeasured_pair(results, metric)
-    again = {r.config for r in results if r.purpose == REMEASURE and r.outcome == OK}
-    if len(pair) > 1 and all(config in again for config in pair):
+    pair = settled_pair(results, metric)
+    if pair:
         # The within-pair ratios multiply to a ratio of the two's products of values, so the
         # larger geometric mean wins (latency's values are negated: the smaller one's).
         def level(config: TrialConfig) -> float:
@@ -208,9 +216,8 @@ class TrialSearch:
 
     def _say_choice(self) -> None:
         """Once the pair's re-measures are in, say which won them."""
-        pair = remeasured_pair(self.results, self.metric)
-        again = {r.config: r for r in self.results if r.purpose == REMEASURE and r.outcome == OK}
-        if len(pair) < 2 or not all(config in again for config in pair):
+        pair = settled_pair(self.results, self.metric)
+        if not pair:
             return
         winner = self.best()
         values = "; ".join(
