@@ -286,11 +286,14 @@ class Reducer:
         self._members = layout
         self._slots = [Slot(0, 0)] * len(self._params)
         self._views: list[torch.Tensor] = [torch.empty(0)] * len(self._params)
+        # Where each view starts in its bucket's memory (see _check_in_bucket).
+        self._offsets = [0] * len(self._params)
         with torch.no_grad():
             for b, members in enumerate(layout):
                 for k, i in enumerate(members):
                     self._slots[i] = Slot(b, k)
                     view = self._views[i] = self._buckets[b].views[k]
+                    self._offsets[i] = view.data_ptr() - self._buckets[b].flat.data_ptr()
                     param = self._params[i]
                     if param.grad is not None:
                         view.copy_(param.grad)
@@ -444,14 +447,7 @@ class Reducer:
                     "supported: use torch.utils.checkpoint with use_reentrant=False)"
                 )
             grad = self._params[index].grad  # set: the hook runs after accumulation
-            if grad is self._views[index]:
-                # .half()/.to() after wrapping converts .grad in place through .data: still
-                # this view object, no longer the bucket's memory. (A .grad that is not the
-                # view is copied into the bucket, and assigning it back fails loudly.)
-                dtype, device = self._keys[index]
-                if grad.dtype is not dtype or grad.device != device:
-                    self._raise_converted(index)
-            elif grad is not None and grad._base is not None:
+            if grad is not self._views[index] and grad is not None and grad._base is not None:
                 self._check_not_shared(index, grad)  # a view: of another wrapper's bucket?
             if grad is not None and grad.is_sparse:
                 raise ReductionError(
@@ -461,13 +457,28 @@ class Reducer:
             self._into_bucket(index)
             self._mark_ready(index)
 
-    def _raise_converted(self, index: int) -> None:
+    def _check_in_bucket(self, index: int) -> None:
+        """Raise if the view that is ``.grad`` no longer lies in its bucket's memory.
+
+        A conversion of the module after wrapping (``model.half()``, ``.to(dtype, device or
+        memory_format=...)``) converts each ``.grad`` in place through ``.data``: still this
+        view object, now its own memory, so what autograd accumulates there (or what is copied
+        into it) would never be averaged. Compared with the bucket's address, not a stored one,
+        so a bucket moved as a whole (``share_memory_()``) stays valid.
+        """
+        view, slot = self._views[index], self._slots[index]
+        if view.data_ptr() == self._buckets[slot.bucket].flat.data_ptr() + self._offsets[index]:
+            return
         param = self._params[index]
         dtype, device = self._keys[index]
+        now, was = f"{param.dtype} on {param.device}", f"{dtype} on {device}"
+        change = f"is {now} but was {was}" if now != was else "has a new memory layout"
         raise ReductionError(
-            f"parameter {self._names[index]!r} is {param.dtype} on {param.device} but was "
-            f"{dtype} on {device} when it was wrapped (model.half() or .to() after wrapping): "
-            "convert the module first, then wrap it"
+            f"parameter {self._names[index]!r} {change}: the module was converted after "
+            "wrapping (model.half(), .to(dtype, device or memory_format=...)), which moved its "
+            ".grad out of its gradient bucket, so its gradients would stay local to each rank. "
+            "Convert the module first, then wrap it (torch's DDP documents the same rule: "
+            "never change the parameters after wrapping)"
         )
 
     def _check_not_shared(self, index: int, grad: torch.Tensor) -> None:
@@ -486,6 +497,7 @@ class Reducer:
 
     def _into_bucket(self, index: int) -> None:
         """Make ``.grad`` the bucket view, holding the gradient (zeros if it is ``None``)."""
+        self._check_in_bucket(index)
         param, view = self._params[index], self._views[index]
         grad = param.grad
         slot = self._slots[index]

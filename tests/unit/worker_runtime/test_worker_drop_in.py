@@ -452,6 +452,20 @@ def test_converting_the_model_after_wrapping_is_an_error_not_local_gradients(wor
         model(torch.randn(3, 16).half()).sum().backward()
 
 
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_a_new_memory_format_after_wrapping_is_an_error_not_local_gradients(world, set_to_none):
+    # Same dtype and device: only the .grad's memory moved out of its bucket, so autograd's
+    # gradient (or the copy of a fresh one) would have stayed out of the allreduce.
+    torch.manual_seed(0)
+    model = distune.DistributedDataParallel(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten()))
+    x = torch.randn(2, 3, 5, 5)
+    model(x).sum().backward()
+    model.to(memory_format=torch.channels_last)
+    model.zero_grad(set_to_none=set_to_none)
+    with pytest.raises(ReductionError, match=r"'0\.weight' has a new memory layout.*wrap"):
+        model(x).sum().backward()
+
+
 def test_a_second_comm_hook_is_refused_as_torch_refuses_it(world):
     for model in (distune.DistributedDataParallel(mlp()), TorchDDP(mlp())):
         model.register_comm_hook(None, fp16_compress_hook)
