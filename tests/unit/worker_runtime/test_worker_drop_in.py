@@ -16,7 +16,7 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
-from test_worker_tuning import ScriptedService, group, train_until
+from test_worker_tuning import ScriptedService, group, train_until, wait_for
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
     allreduce_hook,
@@ -28,6 +28,7 @@ import distune
 from distune import Hyperparameters
 from distune.algorithms import AsyncModelAverage
 from distune.worker_runtime.distributed import UnsupportedModuleError
+from distune.worker_runtime.model_names import ModelNameError
 from distune.worker_runtime.reducer import ReductionError
 from distune.worker_runtime.torch_ddp_arguments import TorchDDPArguments, UnsupportedArgumentError
 
@@ -192,14 +193,29 @@ def test_a_dropped_wrapper_is_freed_at_once_and_closes_its_thread(tuning_world):
         assert not client.alive
 
 
-def test_two_models_with_one_name_are_refused_at_construction(tuning_world):
+def test_two_models_given_one_name_are_refused_at_construction(tuning_world):
     with ScriptedService() as service:
         tuning_world(service.url)
-        first = distune.DistributedDataParallel(nn.Linear(64, 8))
-        with pytest.raises(ValueError, match=r"two models are named 'model0'.*own name="):
-            distune.DistributedDataParallel(nn.Linear(64, 8))
+        first = distune.DistributedDataParallel(nn.Linear(64, 8), name="gan")
+        with pytest.raises(ModelNameError, match=r"two models are named 'gan'.*own name="):
+            distune.DistributedDataParallel(nn.Linear(64, 8), name="gan")
         second = distune.DistributedDataParallel(nn.Linear(64, 8), name="other")
         assert first._sync is not None and second._sync is not None
+
+
+def test_models_given_no_name_are_numbered_in_construction_order(tuning_world):
+    # A torch DDP script wrapping a generator and a discriminator names neither.
+    with ScriptedService() as service:
+        tuning_world(service.url)
+        generator = distune.DistributedDataParallel(nn.Linear(64, 8))
+        discriminator = distune.DistributedDataParallel(nn.Linear(8, 1))
+        assert (generator.name, discriminator.name) == ("model0", "model1")
+        rewrapped = distune.DistributedDataParallel(discriminator.module)  # takes model1 over
+        assert rewrapped.name == "model1" and discriminator._sync.stopped
+        wait_for(lambda: service.actions().count("register") == 3)
+        registered = [path for path, _, _ in service.requests if path.endswith("/register")]
+        assert sorted(registered) == [f"/api/v1/models/model{k}/register" for k in (0, 1, 1)]
+        assert not generator._sync.stopped and not rewrapped._sync.stopped
 
 
 def test_rewrapping_the_same_parameters_takes_the_name_over(tuning_world):
