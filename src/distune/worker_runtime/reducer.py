@@ -458,27 +458,32 @@ class Reducer:
             self._mark_ready(index)
 
     def _check_in_bucket(self, index: int) -> None:
-        """Raise if the view that is ``.grad`` no longer lies in its bucket's memory.
+        """Raise if the module was converted after wrapping (``model.half()``, ``.to(dtype,
+        device or memory_format=...)``): the parameter is no longer of its bucket's dtype and
+        device, or its view (``.grad``) no longer lies in its bucket's memory.
 
-        A conversion of the module after wrapping (``model.half()``, ``.to(dtype, device or
-        memory_format=...)``) converts each ``.grad`` in place through ``.data``: still this
-        view object, now its own memory, so what autograd accumulates there (or what is copied
-        into it) would never be averaged. Compared with the bucket's address, not a stored one,
-        so a bucket moved as a whole (``share_memory_()``) stays valid.
+        The conversion converts each ``.grad`` in place through ``.data``: still this view
+        object, now its own memory, so what autograd accumulates there (or what is copied
+        into it) would never be averaged. Compared with the bucket's address, not a stored
+        one, so a bucket moved as a whole (``share_memory_()``) stays valid.
         """
-        view, slot = self._views[index], self._slots[index]
-        if view.data_ptr() == self._buckets[slot.bucket].flat.data_ptr() + self._offsets[index]:
-            return
-        param = self._params[index]
+        view, slot, param = self._views[index], self._slots[index], self._params[index]
         dtype, device = self._keys[index]
+        flat = self._buckets[slot.bucket].flat
+        if (
+            view.data_ptr() == flat.data_ptr() + self._offsets[index]
+            and param.dtype is dtype
+            and param.device == device
+        ):
+            return
         now, was = f"{param.dtype} on {param.device}", f"{dtype} on {device}"
         change = f"is {now} but was {was}" if now != was else "has a new memory layout"
         raise ReductionError(
             f"parameter {self._names[index]!r} {change}: the module was converted after "
-            "wrapping (model.half(), .to(dtype, device or memory_format=...)), which moved its "
-            ".grad out of its gradient bucket, so its gradients would stay local to each rank. "
-            "Convert the module first, then wrap it (torch's DDP documents the same rule: "
-            "never change the parameters after wrapping)"
+            "wrapping (model.half(), .to(dtype, device or memory_format=...)), and its gradient "
+            "bucket was built for the parameter as it was, so its gradients would not be "
+            "averaged. Convert the module first, then wrap it (torch's DDP documentation "
+            "states the same rule: never change the parameters after wrapping)"
         )
 
     def _check_not_shared(self, index: int, grad: torch.Tensor) -> None:

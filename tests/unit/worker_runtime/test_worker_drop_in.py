@@ -460,9 +460,11 @@ def test_rewrapping_after_training_with_kept_gradients_is_no_sharing(world):
     assert old._reducer.iterations == 1
 
 
-def test_converting_the_model_after_wrapping_is_an_error_not_local_gradients(world):
+@pytest.mark.parametrize("trained", [True, False])
+def test_converting_the_model_after_wrapping_is_an_error_not_local_gradients(world, trained):
     model = distune.DistributedDataParallel(mlp())
-    step(model)
+    if trained:
+        step(model)
     model.half()  # also converts each .grad in place, out of its bucket
     with pytest.raises(ReductionError, match=r"torch\.float16 on cpu but was torch\.float32"):
         model(torch.randn(3, 16).half()).sum().backward()
