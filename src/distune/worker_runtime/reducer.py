@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -446,16 +446,29 @@ class Reducer:
                     "backward (a parameter used in several reentrant checkpoints is not "
                     "supported: use torch.utils.checkpoint with use_reentrant=False)"
                 )
-            grad = self._params[index].grad  # set: the hook runs after accumulation
-            if grad is not self._views[index] and grad is not None and grad._base is not None:
+            grad = self._params[index].grad
+            if grad is None:  # the hook runs after accumulation: another hook cleared it
+                self._raise_grad_taken(index, "before")
+            if grad is not self._views[index] and grad._base is not None:
                 self._check_not_shared(index, grad)  # a view: of another wrapper's bucket?
-            if grad is not None and grad.is_sparse:
+            if grad.is_sparse:
                 raise ReductionError(
                     f"parameter {self._names[index]!r} has a sparse gradient; distune averages "
                     "dense gradients only (use a dense embedding)"
                 )
             self._into_bucket(index)
             self._mark_ready(index)
+
+    def _raise_grad_taken(self, index: int, when: str) -> NoReturn:
+        """``.grad`` was cleared or replaced during backward by a hook that ran ``when``
+        (before or after) the reducer's: that hook saw this rank's gradient, not the average."""
+        raise ReductionError(
+            f"the .grad of parameter {self._names[index]!r} was cleared or replaced during "
+            f"backward by a hook that ran {when} distune's (an optimizer step in a "
+            "post-accumulate-grad hook, 'optimizer in backward'?): that code saw this rank's "
+            "gradient, not the average over the ranks (torch's DDP lets it, silently), and "
+            "the ranks' models drift apart. Step the optimizer after backward() returns"
+        )
 
     def _check_in_bucket(self, index: int) -> None:
         """Raise if the module was converted after wrapping (``model.half()``, ``.to(dtype,
@@ -620,12 +633,16 @@ class Reducer:
         # None), in an order every rank shares, so the last buckets launch everywhere.
         if not all(self._ready) or any(p.requires_grad for p in self._frozen):
             self._check_module_unchanged()
+        hooked = list(self._ready_order)
         for index in range(len(self._params)):
             if self._ready[index]:
                 continue
             self._into_bucket(index)
             self._mark_ready(index)
         self._strategy.finish(self._handles)
+        for index in hooked:
+            if self._params[index].grad is not self._views[index]:
+                self._raise_grad_taken(index, "after")
         for b, slots in self._absent.items():
             bucket = self._buckets[b]
             for k in slots:

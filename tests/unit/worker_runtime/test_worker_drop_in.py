@@ -580,3 +580,40 @@ def test_a_trainable_parameter_added_after_wrapping_is_an_error_at_the_next_forw
     model.module[3].scale.requires_grad_(True)
     with pytest.raises(ReductionError, match=r"\(3\.scale\)"):
         step(model)  # raised after the backward that could train it, as for frozen ones
+
+
+@pytest.mark.parametrize("registered", ["before wrapping", "after wrapping"])
+def test_an_optimizer_step_in_a_post_accumulate_grad_hook_is_an_error(world, registered):
+    # torch's "optimizer in backward" recipe: each parameter steps (and clears .grad) as soon
+    # as its gradient is accumulated, before the ranks' average exists; torch's DDP lets it.
+    module = mlp()
+    optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in module.parameters()}
+
+    def step_now(param: torch.Tensor) -> None:
+        optimizers[param].step()
+        optimizers[param].zero_grad()
+
+    def register() -> None:
+        for p in module.parameters():
+            p.register_post_accumulate_grad_hook(step_now)
+
+    if registered == "before wrapping":
+        register()
+    model = distune.DistributedDataParallel(module)
+    if registered == "after wrapping":
+        register()
+    with pytest.raises(ReductionError, match=rf"hook that ran {registered.split()[0]} distune's"):
+        step(model)
+
+
+def test_a_hook_changing_grad_in_place_is_no_error(world):
+    module = mlp()
+    model = distune.DistributedDataParallel(module)
+
+    def clip(param: torch.Tensor) -> None:
+        param.grad.clamp_(-1, 1)
+
+    for p in module.parameters():
+        p.register_post_accumulate_grad_hook(clip)
+    step(model)
+    assert all(p.grad.abs().max() <= 1 for p in module.parameters())
