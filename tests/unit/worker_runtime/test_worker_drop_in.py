@@ -617,3 +617,20 @@ def test_a_hook_changing_grad_in_place_is_no_error(world):
         p.register_post_accumulate_grad_hook(clip)
     step(model)
     assert all(p.grad.abs().max() <= 1 for p in module.parameters())
+
+
+def test_zero_overlap_hooks_are_refused_at_registration(world, monkeypatch):
+    # They reach into torch's reducer (_has_rebuilt_buckets) at the first backward; torch
+    # refuses them on gloo itself, so the hook is made as under NCCL.
+    from torch.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = distune.DistributedDataParallel(mlp())
+    zero = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.SGD, lr=0.1, overlap_with_ddp=True
+    )
+    monkeypatch.setattr(ddp_zero_hook.dist, "get_backend", lambda group: "nccl")
+    for make in (ddp_zero_hook.hook_with_zero_step, ddp_zero_hook.hook_with_zero_step_interleaved):
+        hook = make(allreduce_hook, model, zero)
+        with pytest.raises(UnsupportedModuleError, match="without overlap_with_ddp"):
+            model.register_comm_hook(None, hook)
