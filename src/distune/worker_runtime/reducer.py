@@ -669,9 +669,10 @@ class Reducer:
             raise ReductionError(
                 f"the module has trainable parameters it did not have when it was wrapped "
                 f"({', '.join(added[:5])}{', ...' if len(added) > 5 else ''}): a parameter or "
-                "submodule added or replaced (or a parameter unfrozen) after wrapping would "
-                "train without averaging. Wrap the module again: "
-                "distune.DistributedDataParallel(model.module)"
+                "submodule added or replaced (or a parameter unfrozen, or load_state_dict("
+                "..., assign=True), which replaces them) after wrapping would train without "
+                "averaging. Wrap the module again: distune.DistributedDataParallel(model.module)"
+                " (or load the state dict without assign=True, which copies into them)"
             )
 
     def _learn_order(self, ready_order: list[int]) -> None:

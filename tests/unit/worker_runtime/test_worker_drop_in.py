@@ -581,6 +581,16 @@ def test_a_trainable_parameter_added_after_wrapping_is_an_error_at_the_next_forw
     with pytest.raises(ReductionError, match=r"\(3\.scale\)"):
         step(model)  # raised after the backward that could train it, as for frozen ones
 
+    # A checkpoint loaded with assign=True replaces every parameter (torch's DDP trains the new
+    # ones unaveraged: seen on 2 gloo ranks); loaded without, it copies into them.
+    model = distune.DistributedDataParallel(mlp())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
+    step(model)
+    model.load_state_dict(state, assign=True)
+    with pytest.raises(ReductionError, match=r"\(0\.weight, 0\.bias.*assign=True"):
+        step(model)
+
 
 @pytest.mark.parametrize("registered", ["before wrapping", "after wrapping"])
 def test_an_optimizer_step_in_a_post_accumulate_grad_hook_is_an_error(world, registered):
