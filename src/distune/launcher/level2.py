@@ -35,6 +35,7 @@ from distune.launcher.trial_client import TrialClient, TrialRefusedError
 from distune.launcher.trial_node import NodeTrials
 from distune.launcher.trial_report import TrialReport
 from distune.launcher.trial_runner import TrialRunner
+from distune.launcher.tuned_job import TunedJob
 from distune.trial_settings import TrialSettings
 from distune.tuning_service.trial_board import OUTCOME_PRIORITY
 from distune.tuning_service.trials.memory_model import MemoryModel, ModelFacts
@@ -250,6 +251,8 @@ class Level2:
         #: Seconds node 0 waits, once its ranks ended, for the other nodes' reports.
         self.late_after = self.trial_timeout + LATE_REPORT_GRACE
         self.results_dir = _results_dir(options)
+        job = TunedJob.of(args, pins, options.autotune_device_memory, trial_world(args))
+        job.write(self.results_dir)
         self.report = TrialReport(self.results_dir, self.metric)
         runner = TrialRunner(args, self.trial_timeout, self.results_dir / "trials")
         self.node = NodeTrials(

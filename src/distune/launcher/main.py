@@ -31,6 +31,7 @@ from distune.launcher.summary import format_summary
 from distune.launcher.trial_client import TrialClient, TrialRefusedError
 from distune.launcher.trial_follower import TrialFollower
 from distune.launcher.trial_node import TrialsStoppedError
+from distune.launcher.tuned_job import JOB_FILE, OtherJobError, TunedJob
 
 
 def _failure_exit_code(error: ChildFailedError) -> int:
@@ -100,13 +101,32 @@ def _plan(argv: list[str]) -> tuple[Any, AutotuneOptions, LaunchPlan] | int:
     args, options = parse(argv)
     try:
         if options.autotune_level == 2:
-            trial_world(args)  # refuses what trials cannot do, before anything starts
+            # Refuse what trials cannot do, and another job's trials, before anything starts.
+            world = trial_world(args)
+            if options.autotune_resume is not None:
+                _check_resume(args, options, world)
             return args, options, plan_trials(args, options)
         args = pinned_run(args, options, trial_pins(args))
         return args, options, plan_launch(args, options)
     except OptionError as error:
         print(f"distune-run: error: {error}", file=sys.stderr)
         return 2
+
+
+def _check_resume(args: Any, options: AutotuneOptions, world: tuple[int, int]) -> None:
+    """Refuse to resume the trials of another job (OptionError)."""
+    assert options.autotune_resume is not None
+    job = TunedJob.of(args, trial_pins(args), options.autotune_device_memory, world)
+    try:
+        checked = job.check_resume(options.autotune_resume)
+    except OtherJobError as error:
+        raise OptionError(f"--autotune_resume: {error}") from None
+    if not checked:
+        print(
+            f"distune-run: warning: --autotune_resume {options.autotune_resume} records no "
+            f"{JOB_FILE}, so it cannot be checked to hold this job's trials",
+            file=sys.stderr,
+        )
 
 
 def _stop_service(
