@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from distune.launcher.level2 import command_without_tuning
+from distune.launcher.level2 import command_without_tuning, mapped_flags_failed, run_as
 from distune.launcher.options import parse, trial_pins
 from distune.launcher.trial_args import rewrite_script_args
 from distune.launcher.trial_runner import classify
-from distune.tuning_service.trials.trial_config import TrialPins
+from distune.tuning_service.trials.trial_config import TrialConfig, TrialPins
+from distune.tuning_service.trials.trial_result import TrialResult
 
 OK_RESULT = {"outcome": "ok", "throughput": 10.0}
 
@@ -256,3 +257,26 @@ def test_a_best_config_in_bf16_reaches_the_ranks_and_auto_profiles_in_full_preci
     assert settings_for(best, TrialPins(bf16=None), None).to_env()[BF16] == "1"
     # bf16 allowed (auto): the profile runs the script's own numerics, full precision.
     assert BF16 not in settings_for(None, TrialPins(bf16=None), None).to_env()
+
+
+def _ran(trial: int, config: TrialConfig, outcome: str, purpose: str = "search") -> TrialResult:
+    measured = {"throughput": 10.0, "step_seconds": 1.0} if outcome == "ok" else {}
+    error = None if outcome == "ok" else "train.py: error: unrecognized arguments: --bs 8"
+    return TrialResult(trial, config, 2, outcome, purpose, error=error, **measured)
+
+
+def test_a_winner_only_the_profile_ran_ok_runs_as_the_profile_ran_and_the_user_is_told() -> None:
+    own, larger = TrialConfig(2, 4, 0, False), TrialConfig(8, 1, 0, False)
+    pins = TrialPins(arg_mappings=(("train_micro_batch_size_per_gpu", "--bs"),))
+    # Every trial that set --bs crashed (the script takes no such flag); the profile ran.
+    results = [_ran(0, own, "ok", "profile"), _ran(1, larger, "crash"), _ran(2, own, "crash")]
+    assert run_as(results, own) is None  # the script's own arguments, not --bs 2
+    warning = mapped_flags_failed(results, pins)
+    assert warning is not None
+    assert warning.startswith("no trial that set --bs (the config's arg_mappings) ended ok")
+    assert "trial 1, ended crash (train.py: error: unrecognized arguments: --bs 8)" in warning
+    # A winner a trial with its knobs measured runs with them; then nothing to tell.
+    results.append(_ran(3, larger, "ok"))
+    assert run_as(results, larger) == larger
+    assert mapped_flags_failed(results, pins) is None
+    assert mapped_flags_failed(results[:3], TrialPins()) is None  # nothing was mapped
