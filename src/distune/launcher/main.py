@@ -32,6 +32,7 @@ from distune.launcher.trial_client import TrialClient, TrialRefusedError
 from distune.launcher.trial_follower import TrialFollower
 from distune.launcher.trial_node import TrialsStoppedError
 from distune.launcher.tuned_job import JOB_FILE, OtherJobError, TunedJob
+from distune.tuning_service.trials.trial_config import TrialPins
 
 
 def _failure_exit_code(error: ChildFailedError) -> int:
@@ -103,8 +104,9 @@ def _plan(argv: list[str]) -> tuple[Any, AutotuneOptions, LaunchPlan] | int:
         if options.autotune_level == 2:
             # Refuse what trials cannot do, and another job's trials, before anything starts.
             world = trial_world(args)
+            pins = trial_pins(args)
             if options.autotune_resume is not None:
-                _check_resume(args, options, world)
+                _check_resume(args, options, pins, world)
             return args, options, plan_trials(args, options)
         args = pinned_run(args, options, trial_pins(args))
         return args, options, plan_launch(args, options)
@@ -113,10 +115,12 @@ def _plan(argv: list[str]) -> tuple[Any, AutotuneOptions, LaunchPlan] | int:
         return 2
 
 
-def _check_resume(args: Any, options: AutotuneOptions, world: tuple[int, int]) -> None:
+def _check_resume(
+    args: Any, options: AutotuneOptions, pins: TrialPins, world: tuple[int, int]
+) -> None:
     """Refuse to resume the trials of another job (OptionError)."""
     assert options.autotune_resume is not None
-    job = TunedJob.of(args, trial_pins(args), options.autotune_device_memory, world)
+    job = TunedJob.of(args, pins, options.autotune_device_memory, world)
     try:
         checked = job.check_resume(options.autotune_resume)
     except OtherJobError as error:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import math
 import os
 import sys
@@ -440,8 +441,8 @@ def _config_file_values(path: str) -> dict[str, Any]:
     unknown = sorted(set(config) - known - INFORMATIONAL_CONFIG_KEYS)
     if unknown:
         raise OptionError(
-            f"--autotune_config: unknown key(s) {', '.join(map(repr, unknown))} in "
-            f"{path}; allowed: {', '.join(sorted(known))}"
+            f"--autotune_config: unknown key(s) {_unknown_keys(unknown, known)} in {path}; "
+            f"allowed: {', '.join(sorted(known))}"
         )
     values = {}
     for dest, value in config.items():
@@ -451,6 +452,20 @@ def _config_file_values(path: str) -> dict[str, Any]:
             except InvalidValue as error:
                 raise OptionError(f"--autotune_config: {dest} {error}") from None
     return values
+
+
+#: Unknown keys named in one error, at most (a file that is no config may hold hundreds).
+_UNKNOWN_SHOWN = 5
+
+
+def _unknown_keys(unknown: list[str], known: set[str]) -> str:
+    """The unknown keys for an error message, each with the known key it may be a typo of."""
+    shown = []
+    for key in unknown[:_UNKNOWN_SHOWN]:
+        close = difflib.get_close_matches(key, known, n=1)
+        shown.append(f"{key[:60]!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    more = len(unknown) - _UNKNOWN_SHOWN
+    return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
 
 
 def trial_pins(args: argparse.Namespace) -> TrialPins:

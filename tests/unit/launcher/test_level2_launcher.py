@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from distune.launcher.level2 import command_without_tuning, mapped_flags_failed, run_as
+from distune.launcher.main import main
 from distune.launcher.options import parse, trial_pins
 from distune.launcher.trial_args import rewrite_script_args
 from distune.launcher.trial_runner import classify
@@ -146,6 +147,46 @@ def test_bad_level2_flags_exit_2_naming_the_flag(argv, message, capsys) -> None:
         parse([*argv, "t.py"])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+            "zero_optimization takes only stage (ddp, torch's ZeroRedundancyOptimizer or FSDP), "
+            "got offload_param: DeepSpeed's other ZeRO options, CPU or NVMe offload among them",
+        ),
+        (
+            {"arg_mappings": {"train_micro_batch_size_per_gpu": "--bs",
+                              "gradient_accumulation_steps": "--bs"}},
+            "arg_mappings: gradient_accumulation_steps and train_micro_batch_size_per_gpu map to "
+            "the same flag "
+            "--bs; each needs a flag of its own",
+        ),
+        ({"train_batch_size": "all"}, "train_batch_size must be a whole number of at least 1"),
+    ],
+)  # fmt: skip
+def test_bad_deepspeed_style_keys_exit_2_before_anything_starts(
+    tmp_path, config, message, capsys
+) -> None:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    argv = ["--nproc_per_node", "2", "--autotune_level", "2", "--autotune_config", str(path)]
+    assert main([*argv, "t.py"]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"distune-run: error: --autotune_config: {message}")
+    assert err.count("\n") == 1
+    assert "tuning service" not in out  # refused before the service started
+
+
+def test_auto_batch_keys_of_a_trainer_deepspeed_config_are_distunes_to_choose(tmp_path) -> None:
+    path = tmp_path / "ds_config.json"
+    auto = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2}}  # fmt: skip
+    path.write_text(json.dumps(auto))
+    args, _ = parse(["--autotune_level", "2", "--autotune_config", str(path), "t.py"])
+    assert trial_pins(args).pinned() == {"zero_optimization": {"stage": 2}}
 
 
 def test_the_arg_mappings_example_config_is_valid() -> None:

@@ -167,7 +167,12 @@ def test_best_file_is_a_config_file(tmp_path):
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("autotune_levle: 1\nbucket_sise: 3\n", "unknown key(s) 'autotune_levle', 'bucket_sise'"),
+        (
+            "autotune_levle: 1\nbucket_sise: 3\n",
+            "unknown key(s) 'autotune_levle' (did you mean 'autotune_level'?), 'bucket_sise' (did "
+            "you mean 'bucket_size'?)",
+        ),
+        ("".join(f"k{i}: 1\n" for i in range(9)), "'k4' and 4 more in"),
         ("autotune_warmup_time: -2\n", "autotune_warmup_time must be a positive number of seconds"),
         ("bucket_size: true\n", "bucket_size must be a positive whole number of bytes, got True"),
         (
