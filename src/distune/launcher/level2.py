@@ -250,6 +250,20 @@ def trial_world(args: argparse.Namespace) -> tuple[int, int]:
     return 1, local
 
 
+def check_batch_pins(pins: TrialPins, world_size: int, allow_batch_change: bool) -> None:
+    """Refuse now (OptionError) pinned batch values that no trial can keep on ``world_size``
+    ranks, where the pins alone fix the global batch (otherwise the profile trial tells it);
+    the search's own space checks them, with the pins standing in for the profile."""
+    fixed = pins.global_batch is not None or None not in (pins.micro_batch, pins.accumulation)
+    if not fixed:
+        return
+    pinned = TrialConfig(pins.micro_batch or 1, pins.accumulation or 1, 0, False)
+    try:
+        TrialSpace(pins, world_size, pinned, allow_batch_change)
+    except TrialConfigError as error:
+        raise OptionError(f"--autotune_config: {error}") from None
+
+
 def trial_port(args: argparse.Namespace) -> int:
     """A free port for a trial's rendezvous on node 0, where the other nodes can reach it."""
     nnodes, _ = trial_world(args)

@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from distune.errors import ServiceError
-from distune.launcher.level2 import Level2, pinned_run, trial_world
+from distune.launcher.level2 import Level2, check_batch_pins, pinned_run, trial_world
 from distune.launcher.options import AutotuneOptions, OptionError, parse, trial_pins
 from distune.launcher.plan import LaunchPlan, plan_launch, plan_trials, restart_caveat
 from distune.launcher.progress import ProgressMonitor
@@ -105,6 +105,7 @@ def _plan(argv: list[str]) -> tuple[Any, AutotuneOptions, LaunchPlan] | int:
             # Refuse what trials cannot do, and another job's trials, before anything starts.
             world = trial_world(args)
             pins = trial_pins(args)
+            check_batch_pins(pins, world[1], options.autotune_allow_batch_change)
             if options.autotune_resume is not None:
                 _check_resume(args, options, pins, world)
             return args, options, plan_trials(args, options)

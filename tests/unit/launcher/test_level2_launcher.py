@@ -165,6 +165,24 @@ def test_bad_level2_flags_exit_2_naming_the_flag(argv, message, capsys) -> None:
             "--bs; each needs a flag of its own",
         ),
         ({"train_batch_size": "all"}, "train_batch_size must be a whole number of at least 1"),
+        # The pinned batch cannot be kept on 2 ranks: said before the profile trial, with what can.
+        (
+            {"train_batch_size": 31},
+            "train_batch_size 31 does not divide among 2 ranks; the nearest that do: 30 or 32",
+        ),
+        (
+            {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4},
+            "no micro-batch x accumulation gives train_batch_size 30 on 2 ranks with the pinned "
+            "values {'train_micro_batch_size_per_gpu': 4, 'train_batch_size': 30}: each rank's "
+            "15 samples split only as 1 x 15, 3 x 5, 5 x 3, 15 x 1; unpin one or pass "
+            "--autotune_allow_batch_change",
+        ),
+        (
+            {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+             "gradient_accumulation_steps": 2},
+            "train_batch_size 32 is not train_micro_batch_size_per_gpu 4 x "
+            "gradient_accumulation_steps 2 x 2 ranks",
+        ),
     ],
 )  # fmt: skip
 def test_bad_deepspeed_style_keys_exit_2_before_anything_starts(
