@@ -90,6 +90,8 @@ def test_a_trial_that_raises_is_a_crash_with_its_traceback_tail(launch, tmp_path
     (trial,) = trials(results)
     assert trial["outcome"] == "crash"
     assert "ValueError: deliberate failure under ddp" in trial["error"]
+    # No training ran under the service: no level-1 summary to mislead ("no model registered").
+    assert "no model registered" not in run.output
     assert run.leftovers() == []
 
 

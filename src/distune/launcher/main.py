@@ -147,6 +147,10 @@ def _stop_service(
     gone = monitor is not None and monitor.service_gone
     if status is None and monitor is not None and gone:
         status = monitor.last_status
+    if options.autotune_level == 2 and status is not None and not status.get("models"):
+        # No training tuned itself after the trials (tune mode, no winner, or FSDP's): level 2
+        # has reported its results already, and "no model registered" would only mislead.
+        return
     best_file = str(options.autotune_best_file) if options.autotune_best_file else None
     for line in format_summary(status, service.log_file, best_file, service_gone=gone):
         print(line, flush=True)
