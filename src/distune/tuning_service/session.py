@@ -98,8 +98,10 @@ class Reply:
 class SampleRecord:
     """One measured sample (or, with phase ``completed``, the final choice): a log row.
 
-    ``score`` is the sample's robust throughput (for the final row, the chosen group's score
-    over all its windows); ``gain_vs_default`` compares it with the default group's score.
+    ``sample`` is the sample's number in the budget: a close call's legs, each a row, share
+    their sample's. ``score`` is the sample's robust throughput (for the final row, the chosen
+    group's score over all its windows); ``gain_vs_default`` compares it with the default
+    group's score.
     ``seconds``, ``iterations`` and ``windows`` count the scored windows only;
     ``invalid_windows`` counts the stalled windows set aside.
     """
@@ -162,6 +164,7 @@ class SessionView:
     name: str
     state: State
     current: Group
+    #: Samples of the budget done (a close call's legs count once, when their sample ends).
     samples: int
     max_samples: int
     best: Best | None
@@ -261,7 +264,7 @@ class _Sample(_Windows):
     #: The window right after the switch to this sample (or the registration): not scored,
     #: but it tells what a switch costs once the group's score is known.
     switch: Window | None = None
-    #: The sample is a leg of a close call (see ``TuningSession._legs``): it lasts
+    #: The sample is a leg of a close call (see ``TuningSession._begin_legs``): it lasts
     #: ``close_call_time`` / legs times the sampling time and windows.
     close_call: bool = False
 
@@ -763,10 +766,10 @@ class TuningSession:
         return self._claim(hp, self._candidates(), _INTERIM_CONFIDENCE).measurably_faster
 
     def _close_call(self, hp: Hyperparameters) -> bool:
-        """Whether a confirmation of ``hp`` runs ``close_call_time`` times as long: one of the
-        challenger (its gain is claimed from its confirming samples alone), or of the default
-        while the challenger's gain is not measurable (or was not, when the close call began).
-        The budget counts samples, and a sample of the challenger costs little while tuning."""
+        """Whether a confirmation of ``hp`` is a close call's sample (``close_call_time`` times
+        as long, in legs): one of the challenger or of the default while the challenger's gain
+        is not proven at the interim level. The budget counts samples, and a leg of the
+        challenger costs little while tuning."""
         if self._best is None:
             return False
         challenger = self._challenger()
@@ -924,12 +927,12 @@ class TuningSession:
         if self._measurements[default].samples < 2:
             return default, Phase.CONFIRM
         if not self._clearly_faster(challenger):
-            # Too close to call: measure whichever of the two has fewer windows, narrowing the
-            # interval, rather than complete on a gain within the noise. The challenger's gain
-            # is claimed from its confirming windows only. Once begun, this runs to the end of
-            # the budget and the interval is looked at once, there: stopping at the first
-            # sample whose interval clears zero would pick the luckiest of many looks, and
-            # both the claim and the choice over the default would be too often wrong.
+            # Too close to call: another close call's sample (legs of the two, the one with
+            # fewer windows first unless it is running), narrowing the interval, rather than
+            # complete on a gain within the noise. Before the budget is spent it ends only on
+            # a gain proven at the interim level: stopping at the first sample whose interval
+            # clears zero at gain_confidence would pick the luckiest of many looks, and both
+            # the claim and the choice over the default would be too often wrong.
             hp = challenger.group.hyperparameters
             measured = self._measurements
             windows = {hp: len(measured[hp].confirming), default: len(measured[default].windows)}
