@@ -585,12 +585,12 @@ class TuningSession:
         default = self._measurements.get(self.space.default)
         if default is None or not windows:
             return None
-        if windows is default.windows:
-            return 0.0, (0.0, 0.0)
         # The default's first sample is left out as well once it has later ones: a group
         # became the best by scoring above it, so it is low by luck as often as not when a
         # gain is in question (and it is the job's first after warmup).
         base, base_samples = default.judged()
+        if windows is base or windows is default.windows:
+            return 0.0, (0.0, 0.0)
         delta = math.log(score) - math.log(_score(base))
         confidence = self.config.gain_confidence if confidence is None else confidence
         miss = (1.0 - confidence) / max(1, comparisons)
@@ -728,10 +728,7 @@ class TuningSession:
         default = self.space.default
         comparisons = sum(other != default for other in candidates)
         measured = self._measurements[hp]
-        if hp == default:
-            windows, samples = measured.windows, measured.samples
-        else:
-            windows, samples = measured.judged()
+        windows, samples = measured.judged()
         score = _score(windows)
         gain = self._gain_interval(windows, score, samples, comparisons, confidence)
         assert gain is not None  # the default group is measured first
@@ -817,7 +814,8 @@ class TuningSession:
                 f"no group measurably faster than the default: differences within ±{within:.1%}"
             )
             measured = self._measurements[default]
-            best = Best(self._latest_group(default), measured.score, 0.0, within, (-within, within))
+            score = _score(measured.judged()[0])
+            best = Best(self._latest_group(default), score, 0.0, within, (-within, within))
         elif best.group.hyperparameters == default:
             self._verdict = "the default group is the fastest measured"
         else:
