@@ -328,9 +328,8 @@ class TuningSession:
         # train_iter of the report that finished the sample whose successor is being chosen.
         self._pending: int | None = None
         self._verdict: str | None = None
-        # Samples before the current round (a drift reopens the session for a new round).
-        # Budget samples spent (a close call's legs make one), and how many of them came
-        # before the current round.
+        # Samples of the budget spent (a close call's legs make one), and how many of them
+        # came before the current round (a drift reopens the session for a new round).
         self._spent = 0
         self._round_start = 0
         self._round_budget = config.max_samples
@@ -546,8 +545,8 @@ class TuningSession:
         session the estimate rests on few degrees of freedom: unregularised it was 0 in half
         the runs and, when one sample was lucky, large enough to make the interval ±20-35 %.
         With the prior it is neither; with more measurements (a close call's legs) the data
-        outweigh it. Returns the standard deviation
-        and the degrees of freedom it rests on, the prior's included."""
+        outweigh it. Returns the standard deviation and the degrees of freedom it rests on,
+        the prior's included."""
         excess, freedom = 0.0, 0
         for measured in self._measurements.values():
             means = measured.sample_means[1:]
