@@ -47,7 +47,7 @@ from distune.space import Hyperparameters, SearchSpace
 from distune.tuning_service.config import TuningConfig
 from distune.tuning_service.messages import Report
 from distune.tuning_service.score import robust_throughput
-from distune.tuning_service.session import Phase, StaleGroupError, State, TuningSession
+from distune.tuning_service.session import StaleGroupError, State, TuningSession
 
 #: Horovod's seed points for the fusion threshold (parameter_manager.cc), as log2 bytes.
 HOROVOD_SEED_2P = (22, 25, 24, 23)  # 4, 32, 16, 8 MiB
@@ -107,17 +107,18 @@ class DistuneTuner:
             warming = session.view.state is State.WARMUP
             iterations, seconds = job.window(group.hyperparameters)
             report = Report(group.id, job.train_iter, iterations, seconds)
+            spent = session.view.samples
             try:
-                reply, records = session.report(report)
+                reply, _ = session.report(report)
             except StaleGroupError as stale:  # a window of the group before a switch
-                reply, records = stale.reply, []
+                reply = stale.reply
             answers.post(job.seconds, reply.group)
             if warming:
                 start = (job.train_iter, job.seconds)
-            for record in records:
-                if record.phase is not Phase.COMPLETED:
-                    choices.append(session.view.best.group.hyperparameters)
-                    progress.append((job.train_iter - start[0], job.seconds - start[1]))
+            # A budget sample finished (a close call's legs make one sample of the budget).
+            if session.view.samples > spent:
+                choices.append(session.view.best.group.hyperparameters)
+                progress.append((job.train_iter - start[0], job.seconds - start[1]))
         used = len(choices)
         best = session.view.best
         choices += [best.group.hyperparameters] * (budget - used)

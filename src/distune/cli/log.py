@@ -45,7 +45,8 @@ def summary(runs: list[ModelRun]) -> pd.DataFrame:
             {
                 "model": run.name,
                 "state": _state(run),
-                "samples": len(run.samples),
+                # Samples of the budget: a close call's legs are rows sharing their number.
+                "samples": run.samples["sample"].nunique(),
                 "best group": describe_hyperparameters(
                     best["bucket_size_2p"], best["is_hierarchical_reduce"]
                 ),

@@ -261,9 +261,10 @@ class TuningConfig:
         0.03, "runners-up within this fraction of the best are confirmed", _number(0.0, 1.0)
     )
     close_call_time: float = setting(
-        5.0,
-        "a sample re-measuring the best group or the default because the best's gain is not "
-        "yet measurable runs this many times sampling_confidence_time and min_windows",
+        20.0,
+        "a close call's sample (the best group against the default while the gain is not "
+        "proven) runs this many times sampling_confidence_time and min_windows, in legs of "
+        "one sampling time that alternate the two",
         _number(1.0, 100.0),
     )
     max_models: int = setting(

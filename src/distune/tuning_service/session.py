@@ -98,8 +98,10 @@ class Reply:
 class SampleRecord:
     """One measured sample (or, with phase ``completed``, the final choice): a log row.
 
-    ``score`` is the sample's robust throughput (for the final row, the chosen group's score
-    over all its windows); ``gain_vs_default`` compares it with the default group's score.
+    ``sample`` is the sample's number in the budget: a close call's legs, each a row, share
+    their sample's. ``score`` is the sample's robust throughput (for the final row, the chosen
+    group's score over all its windows); ``gain_vs_default`` compares it with the default
+    group's score.
     ``seconds``, ``iterations`` and ``windows`` count the scored windows only;
     ``invalid_windows`` counts the stalled windows set aside.
     """
@@ -162,6 +164,7 @@ class SessionView:
     name: str
     state: State
     current: Group
+    #: Samples of the budget done (a close call's legs count once, when their sample ends).
     samples: int
     max_samples: int
     best: Best | None
@@ -227,7 +230,7 @@ class _Windows:
 
     @property
     def score(self) -> float:
-        return robust_throughput([w.rate for w in self.windows])
+        return _score(self.windows)
 
 
 @dataclass
@@ -243,6 +246,13 @@ class _Measurements(_Windows):
     #: claimed from these windows alone, which that selection did not see.
     confirming: list[Window] = field(default_factory=list)
 
+    def judged(self) -> tuple[list[Window], int]:
+        """The windows a gain is judged by, and how many samples they come from: the
+        confirming ones once there are any (the first sample left out), else all."""
+        if self.confirming:
+            return self.confirming, self.samples - 1
+        return self.windows, self.samples
+
 
 @dataclass(kw_only=True)
 class _Sample(_Windows):
@@ -254,8 +264,8 @@ class _Sample(_Windows):
     #: The window right after the switch to this sample (or the registration): not scored,
     #: but it tells what a switch costs once the group's score is known.
     switch: Window | None = None
-    #: The sample re-measures the best group or the default in a close call, and runs
-    #: ``close_call_time`` times as long.
+    #: The sample is a leg of a close call (see ``TuningSession._begin_legs``): it lasts
+    #: ``close_call_time`` / legs times the sampling time and windows.
     close_call: bool = False
 
 
@@ -268,6 +278,11 @@ _MIN_WINDOW_SIGMA = 0.005
 #: docs/tuning_service.md "The final comparison's statistics").
 _SAMPLE_PRIOR_SHARE = 0.25
 _SAMPLE_PRIOR_FREEDOM = 2.0
+#: The level a close call's gain must reach at an interim look (any before the budget is
+#: spent) to end it early: Haybittle and Peto's 3.29 standard deviations. The final look, at
+#: the budget's end, is at ``gain_confidence``; interim looks this strict leave its error rate
+#: about as it is, where looks at ``gain_confidence`` each would add theirs up.
+_INTERIM_CONFIDENCE = 0.999
 #: The median absolute deviation of normal noise times this is its standard deviation.
 _MAD_TO_SIGMA = 1.4826
 #: A switch window is judged less this many times the dearest switch measured so far.
@@ -313,13 +328,18 @@ class TuningSession:
         # train_iter of the report that finished the sample whose successor is being chosen.
         self._pending: int | None = None
         self._verdict: str | None = None
-        # Samples before the current round (a drift reopens the session for a new round).
+        # Samples of the budget spent (a close call's legs make one), and how many of them
+        # came before the current round (a drift reopens the session for a new round).
+        self._spent = 0
         self._round_start = 0
         self._round_budget = config.max_samples
         self._retunes = 0
         self._drift_seconds = 0.0
         self._after_default: list[Hyperparameters] = []
-        self._close_calling = False
+        # A close call's budget sample in progress: the two groups it alternates and how many
+        # of its legs are still to measure.
+        self._legs: tuple[Hyperparameters, Hyperparameters] | None = None
+        self._legs_left = 0
         self.stale_reports = 0
         self.view = self._make_view()
 
@@ -434,12 +454,11 @@ class TuningSession:
             records.append(final)
         else:
             hp, phase = choice
+            close_call = bool(self._legs_left) or (phase is Phase.CONFIRM and self._close_call(hp))
+            if close_call and not self._legs_left:
+                hp = self._begin_legs(hp)
             self._group = Group(self._group.id + 1, hp)
-            self._sample = _Sample(
-                group=self._group,
-                phase=phase,
-                close_call=phase is Phase.CONFIRM and self._close_call(hp),
-            )
+            self._sample = _Sample(group=self._group, phase=phase, close_call=close_call)
             self._discard_next = True
         self.view = self._make_view()
         return records
@@ -512,25 +531,25 @@ class TuningSession:
     def _sample_sigma(self, window_sigma: float) -> tuple[float, float]:
         """The standard deviation of a sample's mean log rate beyond its windows' noise:
         pooled over every group measured in several samples (one-way analysis of variance),
-        the spread of their sample means less what the window noise explains. A group other
-        than the default was measured again because its first sample scored high, partly by
-        luck: that sample would inflate the spread, so only the later ones count. Unbiased:
+        the spread of their sample means less what the window noise explains. Every group's
+        first sample is left out, as from the gain (:meth:`_Measurements.judged`): a group
+        other than the default was measured again because its first sample scored high,
+        partly by luck, and the default's first sample is what the others were chosen over
+        (and the job's first after warmup); either would inflate the spread. Unbiased:
         about their own centre, ``k`` sample means scatter by ``(k - 1) / k`` of their
         variances summed, the samples' spread and each one's window noise alike.
 
         Regularised by a prior guess, ``_SAMPLE_PRIOR_SHARE`` of the window noise, worth
         ``_SAMPLE_PRIOR_FREEDOM`` degrees of freedom (the variances averaged by degrees of
         freedom, as a scaled inverse chi-square prior's posterior does). Until late in a
-        session the estimate rests on one or two degrees of freedom, often on the default's
-        two samples alone: unregularised it was 0 in half the runs and, when one of those
-        samples was lucky, large enough to make the interval ±20-35 %. With the prior it is
-        neither; with more measurements the data outweigh it. Returns the standard deviation
-        and the degrees of freedom it rests on, the prior's included."""
+        session the estimate rests on few degrees of freedom: unregularised it was 0 in half
+        the runs and, when one sample was lucky, large enough to make the interval ±20-35 %.
+        With the prior it is neither; with more measurements (a close call's legs) the data
+        outweigh it. Returns the standard deviation and the degrees of freedom it rests on,
+        the prior's included."""
         excess, freedom = 0.0, 0
-        for hp, measured in self._measurements.items():
-            means = measured.sample_means
-            if hp != self.space.default:
-                means = means[1:]
+        for measured in self._measurements.values():
+            means = measured.sample_means[1:]
             if len(means) >= 2:
                 k = len(means)
                 centre = statistics.fmean(m for m, _ in means)
@@ -545,7 +564,12 @@ class TuningSession:
         return math.sqrt(max(0.0, (_SAMPLE_PRIOR_FREEDOM * prior + excess) / weight)), weight
 
     def _gain_interval(
-        self, windows: list[Window], score: float, samples: int = 1, comparisons: int = 1
+        self,
+        windows: list[Window],
+        score: float,
+        samples: int = 1,
+        comparisons: int = 1,
+        confidence: float | None = None,
     ) -> tuple[float, tuple[float, float]] | None:
         """The gain over the default group of a group scored ``score`` from ``windows`` (of
         ``samples`` samples), and its ``gain_confidence`` interval: the difference of the two
@@ -560,16 +584,21 @@ class TuningSession:
         default = self._measurements.get(self.space.default)
         if default is None or not windows:
             return None
-        delta = math.log(score) - math.log(default.score)
-        if windows is default.windows:
+        # The default's first sample is left out as well once it has later ones: a group
+        # became the best by scoring above it, so it is low by luck as often as not when a
+        # gain is in question (and it is the job's first after warmup).
+        base, base_samples = default.judged()
+        if windows is base or windows is default.windows:
             return 0.0, (0.0, 0.0)
-        miss = (1.0 - self.config.gain_confidence) / max(1, comparisons)
+        delta = math.log(score) - math.log(_score(base))
+        confidence = self.config.gain_confidence if confidence is None else confidence
+        miss = (1.0 - confidence) / max(1, comparisons)
         window_sigma = self._window_sigma()
         sample_sigma, freedom = self._sample_sigma(window_sigma)
         window_part = window_sigma**2 * sum(
-            trimmed_variance_factor(len(side)) / len(side) for side in (windows, default.windows)
+            trimmed_variance_factor(len(side)) / len(side) for side in (windows, base)
         )
-        sample_part = sample_sigma**2 * (1.0 / samples + 1.0 / max(1, default.samples))
+        sample_part = sample_sigma**2 * (1.0 / samples + 1.0 / max(1, base_samples))
         variance = window_part + sample_part
         if sample_part > 0:
             # Welch-Satterthwaite: the window noise rests on many windows, the samples'
@@ -588,8 +617,9 @@ class TuningSession:
         if sample.close_call:
             # Longer in windows too: the interval narrows with the windows' count, and a model
             # whose iterations outlast the sampling time gets a few windows a sample whatever it.
-            length *= config.close_call_time
-            windows = math.ceil(windows * config.close_call_time)
+            share = config.close_call_time / _legs_per_sample(config.close_call_time)
+            length *= share
+            windows = math.ceil(windows * share)
         return sample.seconds >= length and sample.reports >= windows
 
     def _set_stalls_aside(self) -> None:
@@ -638,12 +668,12 @@ class TuningSession:
                 self._optimizer.tell(hp, measured.score)
             except Exception:
                 self._stop_searching()
-        default_score = self._measurements[self.space.default].score
+        default_score = _score(self._measurements[self.space.default].judged()[0])
         interval = self._gain_interval(sample.windows, score)
         records = [
             SampleRecord(
                 model=self.name,
-                sample=len(self._records) + 1,
+                sample=self._spent + 1,
                 group=sample.group,
                 phase=sample.phase,
                 score=score,
@@ -658,6 +688,11 @@ class TuningSession:
             )
         ]
         self._records += records
+        if self._legs_left:
+            self._legs_left -= 1
+        if not self._legs_left:
+            self._spent += 1
+            self._legs = None
         self._best = self._best_so_far()
         self._pending = train_iter
         self.view = self._make_view()
@@ -678,21 +713,23 @@ class TuningSession:
         confirmed = {hp: m for hp, m in self._measurements.items() if m.samples >= 2}
         return confirmed or self._measurements
 
-    def _claim(self, hp: Hyperparameters, candidates: dict[Hyperparameters, _Measurements]) -> Best:
-        """``hp``'s score and gain over the default, with its interval. A group's are those of
-        its confirming samples once it has any (the winner's curse, see :class:`_Measurements`).
-        Those are a choice too, the best of the ``candidates``' pooled scores: its interval
-        allows for the other candidates it was chosen over."""
+    def _claim(
+        self,
+        hp: Hyperparameters,
+        candidates: dict[Hyperparameters, _Measurements],
+        confidence: float | None = None,
+    ) -> Best:
+        """``hp``'s score and gain over the default, with its interval (at ``confidence``;
+        None: ``gain_confidence``). A group's are those of its confirming samples once it has
+        any (the winner's curse, see :class:`_Measurements`). Those are a choice too, the best
+        of the ``candidates``' pooled scores: its interval allows for the other candidates it
+        was chosen over."""
         default = self.space.default
         comparisons = sum(other != default for other in candidates)
         measured = self._measurements[hp]
-        windows = measured.confirming if measured.confirming and hp != default else None
-        if windows is None:
-            windows, samples = measured.windows, measured.samples
-        else:
-            samples = measured.samples - 1
-        score = robust_throughput([w.rate for w in windows])
-        gain = self._gain_interval(windows, score, samples, comparisons)
+        windows, samples = measured.judged()
+        score = _score(windows)
+        gain = self._gain_interval(windows, score, samples, comparisons, confidence)
         assert gain is not None  # the default group is measured first
         return Best(self._latest_group(hp), score, gain[0], _half_width(gain[1]), gain[1])
 
@@ -716,21 +753,49 @@ class TuningSession:
         interval = claim.gain_interval
         return claim if interval is not None and interval[1] > 0 else None
 
+    def _clearly_faster(self, challenger: Best) -> bool:
+        """Whether ``challenger``'s gain is proven at the interim looks' stricter level
+        (:data:`_INTERIM_CONFIDENCE`): only then does a close call end before the budget."""
+        hp = challenger.group.hyperparameters
+        if hp == self.space.default:
+            return False
+        return self._claim(hp, self._candidates(), _INTERIM_CONFIDENCE).measurably_faster
+
     def _close_call(self, hp: Hyperparameters) -> bool:
-        """Whether a confirmation of ``hp`` runs ``close_call_time`` times as long: one of the
-        challenger (its gain is claimed from its confirming samples alone), or of the default
-        while the challenger's gain is not measurable (or was not, when the close call began).
-        The budget counts samples, and a sample of the challenger costs little while tuning."""
+        """Whether a confirmation of ``hp`` is a close call's sample (``close_call_time`` times
+        as long, in legs): one of the challenger or of the default while the challenger's gain
+        is not proven at the interim level. The budget counts samples, and a leg of the
+        challenger costs little while tuning."""
         if self._best is None:
             return False
         challenger = self._challenger()
         if challenger is None:
             return False
-        if hp == challenger.group.hyperparameters:
-            return True
-        return hp == self.space.default and (
-            self._close_calling or not challenger.measurably_faster
-        )
+        if hp not in (challenger.group.hyperparameters, self.space.default):
+            return False
+        return not self._clearly_faster(challenger)
+
+    def _begin_legs(self, hp: Hyperparameters) -> Hyperparameters:
+        """Start a close call's budget sample on ``hp``: ``close_call_time`` sampling times
+        spent in legs that alternate ``hp`` and the other group of the close call (the default
+        or the challenger). Each leg is measured after a switch, so each has its own share of
+        the job's slow drifts, and the samples' spread, which bounds the interval however long
+        one sample runs, is averaged over many legs, not over one or two samples. The first leg
+        is the group that is not running: a leg of the group just measured would share that
+        measurement's conditions (a lucky first sample's luck with it). Returns the first
+        leg's group."""
+        challenger = self._challenger()
+        default = self.space.default
+        other = default if hp != default else None
+        if other is None and challenger is not None:
+            other = challenger.group.hyperparameters
+        if other is None or other == hp:
+            return hp
+        self._legs_left = _legs_per_sample(self.config.close_call_time)
+        self._legs = (hp, other)
+        if self._group.hyperparameters == hp and self._legs_left > 1:
+            self._legs = (other, hp)
+        return self._legs[0]
 
     def _latest_group(self, hp: Hyperparameters) -> Group:
         if self._group.hyperparameters == hp:
@@ -748,7 +813,8 @@ class TuningSession:
                 f"no group measurably faster than the default: differences within ±{within:.1%}"
             )
             measured = self._measurements[default]
-            best = Best(self._latest_group(default), measured.score, 0.0, within, (-within, within))
+            score = _score(measured.judged()[0])
+            best = Best(self._latest_group(default), score, 0.0, within, (-within, within))
         elif best.group.hyperparameters == default:
             self._verdict = "the default group is the fastest measured"
         else:
@@ -766,7 +832,7 @@ class TuningSession:
         measured = self._measurements[hp]
         return SampleRecord(
             model=self.name,
-            sample=len(self._records),
+            sample=self._spent,
             group=self._group,
             phase=Phase.COMPLETED,
             score=self._best.score,
@@ -796,7 +862,11 @@ class TuningSession:
         """The next group to sample and why, or None to complete (see the module docstring)."""
         if self._optimizer is None:
             return None  # nothing to tune: the default group's score is all there is to know
-        remaining = self._round_budget - (len(self._records) - self._round_start)
+        if self._legs_left and self._legs is not None:
+            # The close call's budget sample goes on: its other group's leg.
+            first, second = self._legs
+            return (second if self._group.hyperparameters == first else first), Phase.CONFIRM
+        remaining = self._round_budget - (self._spent - self._round_start)
         if self._after_default and remaining > 1:
             # A reopened session looks at its earlier choice right after the default.
             return self._after_default.pop(), Phase.INITIAL
@@ -853,14 +923,13 @@ class TuningSession:
             return None
         if self._measurements[default].samples < 2:
             return default, Phase.CONFIRM
-        if self._close_calling or not challenger.measurably_faster:
-            # Too close to call: measure whichever of the two has fewer windows, narrowing the
-            # interval, rather than complete on a gain within the noise. The challenger's gain
-            # is claimed from its confirming windows only. Once begun, this runs to the end of
-            # the budget and the interval is looked at once, there: stopping at the first
-            # sample whose interval clears zero would pick the luckiest of many looks, and
-            # both the claim and the choice over the default would be too often wrong.
-            self._close_calling = True
+        if not self._clearly_faster(challenger):
+            # Too close to call: another close call's sample (legs of the two, the one with
+            # fewer windows first unless it is running), narrowing the interval, rather than
+            # complete on a gain within the noise. Before the budget is spent it ends only on
+            # a gain proven at the interim level: stopping at the first sample whose interval
+            # clears zero at gain_confidence would pick the luckiest of many looks, and both
+            # the claim and the choice over the default would be too often wrong.
             hp = challenger.group.hyperparameters
             measured = self._measurements
             windows = {hp: len(measured[hp].confirming), default: len(measured[default].windows)}
@@ -936,12 +1005,11 @@ class TuningSession:
             self.config.retune_samples,
         )
         self._retunes += 1
-        self._round_start = len(self._records)
+        self._round_start = self._spent
         self._round_budget = self.config.retune_samples
         self._measurements = {}
         self._best = None
         self._converged = False
-        self._close_calling = False
         self._verdict = None
         self._drift_seconds = 0.0
         seed = None if self.config.seed is None else self.config.seed + self._retunes
@@ -957,20 +1025,28 @@ class TuningSession:
 
     def _make_view(self) -> SessionView:
         default = self._measurements.get(self.space.default)
-        earlier = sum(r.phase is not Phase.COMPLETED for r in self._records[: self._round_start])
         return SessionView(
             name=self.name,
             state=self._state,
             current=self._group,
-            samples=sum(r.phase is not Phase.COMPLETED for r in self._records),
-            max_samples=earlier + self._round_budget,
+            samples=self._spent,
+            max_samples=self._round_start + self._round_budget,
             best=self._best,
-            default_score=None if default is None else default.score,
+            default_score=None if default is None else _score(default.judged()[0]),
             records=tuple(self._records),
             invalid_windows=self._invalid_windows,
             verdict=self._verdict,
             retunes=self._retunes,
         )
+
+
+def _score(windows: list[Window]) -> float:
+    return robust_throughput([w.rate for w in windows])
+
+
+def _legs_per_sample(close_call_time: float) -> int:
+    """Legs of a close call's budget sample: each at least one sampling time long."""
+    return max(1, math.floor(close_call_time))
 
 
 def _half_width(interval: tuple[float, float]) -> float:

@@ -237,3 +237,30 @@ def test_a_bagua_log_with_a_bad_flag_names_the_line(tmp_path, capsys):
     path.write_text(BAGUA_LOG.replace("20,True", "20,maybe"))
     assert main(["log", str(path)]) != 0
     assert "line 3: bad is_hierarchical_reduce value 'maybe'" in capsys.readouterr().err
+
+
+def test_a_close_calls_legs_count_once_in_the_summary(tmp_path, capsys):
+    """A close call's sample of the budget is logged as legs, one row each with the sample's
+    number: the summary counts samples of the budget, as the service's status does."""
+    path = tmp_path / "autotune.log"
+    log = TuningLog.create(path)
+    config = TuningConfig(
+        max_samples=6, sampling_confidence_time=1.0, min_windows=2, warmup_time=0.0, seed=0
+    )
+    service = TuningService(config, log)
+    reply, train_iter, count = service.register("m", Registration.from_json(FACTS)), 0, 0
+    while not reply.completed:
+        level = 102.0 if reply.group.hyperparameters.bucket_size_2p == 20 else 100.0
+        iterations = round(level * (1.0, 1.04, 0.96)[count % 3] * 0.5)
+        train_iter, count = train_iter + iterations, count + 1
+        try:
+            reply = service.report("m", Report(reply.group.id, train_iter, iterations, 0.5))
+        except StaleGroupError as error:
+            reply = error.reply
+    log.close()
+    samples = service.status()["models"]["m"]["samples"]
+    (run,) = read_log(path)
+    assert len(run.samples) > samples  # legs: more rows than samples of the budget
+    assert main(["log", str(path)]) == 0
+    line = capsys.readouterr().out.splitlines()[2]
+    assert line.split()[:3] == ["m", "completed", str(samples)]
