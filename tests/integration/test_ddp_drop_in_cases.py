@@ -517,6 +517,43 @@ def scripts_moved_from_torch(out: Path) -> dict:
     return {"keys": list(ours.state_dict()) == list(ref.state_dict())}
 
 
+class SpareWithNorm(nn.Module):
+    """A batch norm, and a layer used only when asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.Linear(16, 5))
+        self.spare = nn.Linear(12, 5)
+
+    def forward(self, x: torch.Tensor, use_spare: bool = False) -> torch.Tensor:
+        return self.net(x) + self.spare(x) if use_spare else self.net(x)
+
+
+@scenario
+def compiled_wrapper(out: Path) -> dict:
+    """``torch.compile(model)`` of distune's wrapper (dynamo traces its forward) against torch's
+    DDP run eagerly: ``no_sync`` micro-batches, a layer used on rank 1 only, evaluation forwards
+    under ``no_grad`` between steps, batch-norm buffers."""
+    ours = distune.DistributedDataParallel(SpareWithNorm())
+    ref = TorchDDP(SpareWithNorm(), find_unused_parameters=True)
+    compiled = torch.compile(ours, backend="aot_eager")
+
+    def step_of(model: nn.Module, step: int) -> None:
+        model = compiled if model is ours else model
+        with model.no_sync():
+            loss_of(model, batch(10 + step)).backward()
+        out = model(batch(step), use_spare=dist.get_rank() == 1)
+        out.pow(2).mean().backward()
+        model.eval()
+        with torch.no_grad():
+            model(batch(20 + step))
+        model.train()
+
+    train_both(ours, ref, "compiled", step_of=step_of)
+    return {"iterations": ours._reducer.iterations}
+
+
 def channels_last() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(64, 2))
@@ -634,6 +671,10 @@ def test_join_with_no_sync_and_with_a_comm_hook_matches_torch_and_low_precision_
 
 def test_scripts_moved_from_torch_train_as_under_torchs_ddp(results):
     assert results["scripts_moved_from_torch"] == [{"keys": True}] * 2
+
+
+def test_torch_compile_of_the_wrapper_matches_torchs_ddp(results):
+    assert results["compiled_wrapper"] == [{"iterations": 3}] * 2
 
 
 def test_a_new_memory_format_and_an_optimizer_in_backward_raise_where_torch_drifts(results):
