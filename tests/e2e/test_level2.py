@@ -43,6 +43,8 @@ def test_tune_then_run_prunes_after_an_oom_in_one_rank_and_trains_with_the_winne
     assert outcomes[3] in (("ddp", 2, "ok"), ("ddp", 4, "ok"))
     assert [t["purpose"] for t in ran] == ["profile", "search", "search", "remeasure"]
     assert {t["config"]["train_batch_size"] for t in ran} == {16}  # the global batch held
+    job = json.loads((results / "job.json").read_text())  # what a resume must match
+    assert (job["script"], job["world_size"], job["device_memory"]) == (WORKER, 2, 48 * 2**20)
     assert "over the cap" in ran[1]["error"]
     assert "micro-batches >= 8 of ddp pruned" in run.output
     for trial in ran:
@@ -88,6 +90,8 @@ def test_a_trial_that_raises_is_a_crash_with_its_traceback_tail(launch, tmp_path
     (trial,) = trials(results)
     assert trial["outcome"] == "crash"
     assert "ValueError: deliberate failure under ddp" in trial["error"]
+    # No training ran under the service: no level-1 summary to mislead ("no model registered").
+    assert "no model registered" not in run.output
     assert run.leftovers() == []
 
 

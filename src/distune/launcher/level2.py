@@ -35,6 +35,7 @@ from distune.launcher.trial_client import TrialClient, TrialRefusedError
 from distune.launcher.trial_node import NodeTrials
 from distune.launcher.trial_report import TrialReport
 from distune.launcher.trial_runner import TrialRunner
+from distune.launcher.tuned_job import TunedJob
 from distune.trial_settings import TrialSettings
 from distune.tuning_service.trial_board import OUTCOME_PRIORITY
 from distune.tuning_service.trials.memory_model import MemoryModel, ModelFacts
@@ -57,6 +58,8 @@ from distune.tuning_service.trials.trial_search import Proposal, TrialSearch
 from distune.tuning_service.trials.trial_space import TrialSpace
 
 DEFAULT_MAX_TRIALS = 20
+#: The purpose of trial 0: the script's own configuration, as it runs without distune.
+PROFILE = "profile"
 DEFAULT_TRIAL_TIMEOUT = 120.0
 #: The profile result's ``api`` of a script measured through its DistributedDataParallel.
 WRAPPER_API = "wrapper"
@@ -131,6 +134,43 @@ def settings_for(config: TrialConfig | None, pins: TrialPins, cap: int | None) -
         config.checkpointing,
         cap,
         bf16=config.bf16,
+    )
+
+
+def _knobs(settings: TrialSettings) -> dict[str, Any]:
+    """The knobs of a trial (or of the winner) as the service publishes them to every node."""
+    return {
+        "micro_batch": settings.micro_batch,
+        "accumulation": settings.accumulation,
+        "stage": settings.stage,
+        "checkpointing": settings.checkpointing,
+        "bf16": settings.bf16,
+    }
+
+
+def run_as(results: list[TrialResult], best: TrialConfig) -> TrialConfig | None:
+    """How the winner runs: with its own knobs where a trial that set them ran ok, else (None)
+    as the profile ran it, the script's own values with the pinned ones only. A winner only
+    the profile measured is the script's own configuration, and every trial that set it may
+    have failed for a reason the profile never met (a mapped flag the script rejects)."""
+    measured = (r for r in results if r.config == best and r.outcome == OK)
+    return best if any(r.purpose != PROFILE for r in measured) else None
+
+
+def mapped_flags_failed(results: list[TrialResult], pins: TrialPins) -> str | None:
+    """What to tell the user where every trial that set the flags ``arg_mappings`` names
+    failed while the profile, which left them as they were, ran: the likeliest cause is a flag
+    the script does not take. None otherwise."""
+    tried = [r for r in results if r.purpose != PROFILE]
+    if not pins.arg_mappings or not tried or any(r.outcome == OK for r in tried):
+        return None
+    flags = " and ".join(flag for _, flag in pins.arg_mappings)
+    first = tried[0]
+    why = (first.error or "").strip().splitlines()
+    return (
+        f"no trial that set {flags} (the config's arg_mappings) ended ok; the first, trial "
+        f"{first.trial}, ended {first.outcome}{f' ({why[-1][:160]})' if why else ''}: does the "
+        "script take these flags? The winner runs with the script's own arguments"
     )
 
 
@@ -210,6 +250,20 @@ def trial_world(args: argparse.Namespace) -> tuple[int, int]:
     return 1, local
 
 
+def check_batch_pins(pins: TrialPins, world_size: int, allow_batch_change: bool) -> None:
+    """Refuse now (OptionError) pinned batch values that no trial can keep on ``world_size``
+    ranks, where the pins alone fix the global batch (otherwise the profile trial tells it);
+    the search's own space checks them, with the pins standing in for the profile."""
+    fixed = pins.global_batch is not None or None not in (pins.micro_batch, pins.accumulation)
+    if not fixed:
+        return
+    pinned = TrialConfig(pins.micro_batch or 1, pins.accumulation or 1, 0, False)
+    try:
+        TrialSpace(pins, world_size, pinned, allow_batch_change)
+    except TrialConfigError as error:
+        raise OptionError(f"--autotune_config: {error}") from None
+
+
 def trial_port(args: argparse.Namespace) -> int:
     """A free port for a trial's rendezvous on node 0, where the other nodes can reach it."""
     nnodes, _ = trial_world(args)
@@ -250,6 +304,8 @@ class Level2:
         #: Seconds node 0 waits, once its ranks ended, for the other nodes' reports.
         self.late_after = self.trial_timeout + LATE_REPORT_GRACE
         self.results_dir = _results_dir(options)
+        job = TunedJob.of(args, pins, options.autotune_device_memory, trial_world(args))
+        job.write(self.results_dir)
         self.report = TrialReport(self.results_dir, self.metric)
         runner = TrialRunner(args, self.trial_timeout, self.results_dir / "trials")
         self.node = NodeTrials(
@@ -301,13 +357,7 @@ class Level2:
                 "trial": index,
                 "nnodes": self.nnodes,
                 "purpose": purpose,
-                "knobs": {
-                    "micro_batch": settings.micro_batch,
-                    "accumulation": settings.accumulation,
-                    "stage": settings.stage,
-                    "checkpointing": settings.checkpointing,
-                    "bf16": settings.bf16,
-                },
+                "knobs": _knobs(settings),
                 "master_port": trial_port(self.args),
                 "config": None if config is None else config.to_config(self.world_size),
                 "metric": self.metric,
@@ -406,13 +456,8 @@ class Level2:
         if search is not None and best is not None:
             ok = [r for r in search.results if r.config == best and r.outcome == OK]
             chosen = max(ok, key=lambda r: r.value(self.metric)).trial
-            knobs = {
-                "micro_batch": best.micro_batch,
-                "accumulation": best.accumulation,
-                "stage": best.stage,
-                "checkpointing": best.checkpointing,
-                "bf16": best.bf16,
-            }
+            cap = self.options.autotune_device_memory
+            knobs = _knobs(settings_for(run_as(search.results, best), self.pins, cap))
         self.client.finish({"mode": mode, "chosen": chosen, "knobs": knobs})
         self._wait_acknowledged(FINISH_ACK_WAIT)
         return search
@@ -435,7 +480,7 @@ class Level2:
         self._say(f"level 2 results in {self.results_dir}; trials{where}")
         if self.pins.pinned():
             self._say(f"pinned (never changed): {self.pins.pinned()}")
-        profile = self._trial(0, None, "profile", None)
+        profile = self._trial(0, None, PROFILE, None)
         if profile.outcome != OK:
             hint = "" if profile.outcome in (OOM, CRASH) else _TAKING_PART
             self._say(
@@ -474,7 +519,12 @@ class Level2:
             for decision in search.decisions[seen:]:
                 self._say(decision)
             seen = len(search.decisions)
-        self.report.finish(search, search.decisions, time.monotonic() - self.started)
+        decisions = list(search.decisions)
+        warning = mapped_flags_failed(search.results, self.pins)
+        if warning is not None:
+            self._say(warning)
+            decisions.append(warning)
+        self.report.finish(search, decisions, time.monotonic() - self.started)
         return search
 
     def _run_proposal(self, search: TrialSearch, proposal: Proposal) -> None:
@@ -491,14 +541,18 @@ class Level2:
             return None
         best_file = self.results_dir / "best_config.json"
         config = best.to_config(self.world_size)
-        if self.pins.arg_mappings:
+        as_measured = run_as(search.results, best)
+        if self.pins.arg_mappings and as_measured is not None:
             config["arg_mappings"] = dict(self.pins.arg_mappings)
         best_file.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         command = command_without_tuning(self.argv, self.args, best_file)
         (self.results_dir / "best_command.txt").write_text(" ".join(command) + "\n")
-        settings = settings_for(best, self.pins, self.options.autotune_device_memory)
+        settings = settings_for(as_measured, self.pins, self.options.autotune_device_memory)
         script_args = rewrite_script_args(
-            list(self.args.training_script_args), self.pins, best.micro_batch, best.accumulation
+            list(self.args.training_script_args),
+            self.pins,
+            settings.micro_batch,
+            settings.accumulation,
         )
         self._say(f"chosen: {best.describe()}; {best_file}")
         return Chosen(best.stage, script_args, settings)

@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from distune.errors import ServiceError
-from distune.launcher.level2 import Level2, pinned_run, trial_world
+from distune.launcher.level2 import Level2, check_batch_pins, pinned_run, trial_world
 from distune.launcher.options import AutotuneOptions, OptionError, parse, trial_pins
 from distune.launcher.plan import LaunchPlan, plan_launch, plan_trials, restart_caveat
 from distune.launcher.progress import ProgressMonitor
@@ -31,6 +31,8 @@ from distune.launcher.summary import format_summary
 from distune.launcher.trial_client import TrialClient, TrialRefusedError
 from distune.launcher.trial_follower import TrialFollower
 from distune.launcher.trial_node import TrialsStoppedError
+from distune.launcher.tuned_job import JOB_FILE, OtherJobError, TunedJob
+from distune.tuning_service.trials.trial_config import TrialPins
 
 
 def _failure_exit_code(error: ChildFailedError) -> int:
@@ -100,13 +102,36 @@ def _plan(argv: list[str]) -> tuple[Any, AutotuneOptions, LaunchPlan] | int:
     args, options = parse(argv)
     try:
         if options.autotune_level == 2:
-            trial_world(args)  # refuses what trials cannot do, before anything starts
+            # Refuse what trials cannot do, and another job's trials, before anything starts.
+            world = trial_world(args)
+            pins = trial_pins(args)
+            check_batch_pins(pins, world[1], options.autotune_allow_batch_change)
+            if options.autotune_resume is not None:
+                _check_resume(args, options, pins, world)
             return args, options, plan_trials(args, options)
         args = pinned_run(args, options, trial_pins(args))
         return args, options, plan_launch(args, options)
     except OptionError as error:
         print(f"distune-run: error: {error}", file=sys.stderr)
         return 2
+
+
+def _check_resume(
+    args: Any, options: AutotuneOptions, pins: TrialPins, world: tuple[int, int]
+) -> None:
+    """Refuse to resume the trials of another job (OptionError)."""
+    assert options.autotune_resume is not None
+    job = TunedJob.of(args, pins, options.autotune_device_memory, world)
+    try:
+        checked = job.check_resume(options.autotune_resume)
+    except OtherJobError as error:
+        raise OptionError(f"--autotune_resume: {error}") from None
+    if not checked:
+        print(
+            f"distune-run: warning: --autotune_resume {options.autotune_resume} records no "
+            f"{JOB_FILE}, so it cannot be checked to hold this job's trials",
+            file=sys.stderr,
+        )
 
 
 def _stop_service(
@@ -122,6 +147,10 @@ def _stop_service(
     gone = monitor is not None and monitor.service_gone
     if status is None and monitor is not None and gone:
         status = monitor.last_status
+    if options.autotune_level == 2 and status is not None and not status.get("models"):
+        # No training tuned itself after the trials (tune mode, no winner, or FSDP's): level 2
+        # has reported its results already, and "no model registered" would only mislead.
+        return
     best_file = str(options.autotune_best_file) if options.autotune_best_file else None
     for line in format_summary(status, service.log_file, best_file, service_gone=gone):
         print(line, flush=True)

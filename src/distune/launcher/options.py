@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import math
+import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
@@ -19,8 +21,14 @@ from pathlib import Path
 from typing import Any, Literal, NoReturn
 from urllib.parse import urlsplit
 
-from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
+from torch.distributed.elastic.multiprocessing import Std
+from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.utils import (
+    _parse_rendezvous_config,
+    parse_rendezvous_endpoint,
+)
 from torch.distributed.run import (
+    _get_logs_specs_class,
     determine_local_world_size,
     get_args_parser,
     parse_min_max_nnodes,
@@ -433,8 +441,8 @@ def _config_file_values(path: str) -> dict[str, Any]:
     unknown = sorted(set(config) - known - INFORMATIONAL_CONFIG_KEYS)
     if unknown:
         raise OptionError(
-            f"--autotune_config: unknown key(s) {', '.join(map(repr, unknown))} in "
-            f"{path}; allowed: {', '.join(sorted(known))}"
+            f"--autotune_config: unknown key(s) {_unknown_keys(unknown, known)} in {path}; "
+            f"allowed: {', '.join(sorted(known))}"
         )
     values = {}
     for dest, value in config.items():
@@ -444,6 +452,20 @@ def _config_file_values(path: str) -> dict[str, Any]:
             except InvalidValue as error:
                 raise OptionError(f"--autotune_config: {dest} {error}") from None
     return values
+
+
+#: Unknown keys named in one error, at most (a file that is no config may hold hundreds).
+_UNKNOWN_SHOWN = 5
+
+
+def _unknown_keys(unknown: list[str], known: set[str]) -> str:
+    """The unknown keys for an error message, each with the known key it may be a typo of."""
+    shown = []
+    for key in unknown[:_UNKNOWN_SHOWN]:
+        close = difflib.get_close_matches(key, known, n=1)
+        shown.append(f"{key[:60]!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    more = len(unknown) - _UNKNOWN_SHOWN
+    return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
 
 
 def trial_pins(args: argparse.Namespace) -> TrialPins:
@@ -520,6 +542,68 @@ def check_torchrun_flags(args: argparse.Namespace) -> None:
         _parse_rendezvous_config(args.rdzv_conf)
     except ValueError as error:
         raise OptionError(f"argument --rdzv_conf: {error}") from None
+    _check_rendezvous(args)
+    _check_worker_output(args)
+    if args.no_python and args.module:
+        raise OptionError("arguments --no-python and --module (-m) cannot be used together")
+
+
+def _check_rendezvous(args: argparse.Namespace) -> None:
+    """The rendezvous backend and endpoint, which torch checks only as the agent starts."""
+    # torch has no public list of its registered backends; its registry holds them.
+    backends = sorted(rendezvous_handler_registry._registry)
+    if not args.standalone and args.rdzv_backend not in backends:
+        raise OptionError(
+            f"argument --rdzv_backend: must be one of {', '.join(backends)}, "
+            f"got {args.rdzv_backend!r}"
+        )
+    if args.rdzv_endpoint:
+        try:
+            parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+        except ValueError as error:
+            raise OptionError(f"argument --rdzv_endpoint: {error}") from None
+
+
+def _check_worker_output(args: argparse.Namespace) -> None:
+    """Where and how the workers' output goes: --redirects, --tee, --log_dir,
+    --local_ranks_filter and --logs_specs, which torch checks only as it launches."""
+    for flag in ("redirects", "tee"):
+        try:
+            Std.from_str(getattr(args, flag))
+        except ValueError:
+            raise OptionError(
+                f"argument --{flag}: must be 0 (none), 1 (stdout), 2 (stderr) or 3 (both), or "
+                f"per local rank like 0:1,1:2, got {getattr(args, flag)!r}"
+            ) from None
+    if args.local_ranks_filter:
+        try:
+            ranks = [int(rank) for rank in args.local_ranks_filter.split(",")]
+        except ValueError:
+            ranks = []
+        if not ranks or min(ranks) < 0:
+            raise OptionError(
+                "argument --local_ranks_filter: must be local ranks separated by commas like "
+                f"0,1, got {args.local_ranks_filter!r}"
+            )
+    if args.log_dir is not None:
+        _check_log_dir(args.log_dir)
+    try:
+        _get_logs_specs_class(args.logs_specs)
+    except ValueError as error:
+        raise OptionError(f"argument --logs_specs: {error}") from None
+
+
+def _check_log_dir(log_dir: str) -> None:
+    """--log_dir: a directory, or one that can be created (torch creates it)."""
+    path = Path(log_dir).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise OptionError(
+            f"argument --log_dir: {str(existing)!r} is not a directory, so {log_dir!r} cannot "
+            "be one"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OptionError(f"argument --log_dir: {str(existing)!r} is not writable")
 
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, AutotuneOptions]:

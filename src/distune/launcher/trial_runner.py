@@ -43,6 +43,11 @@ COLLECTIVE_TIMEOUT_FACTOR = 2.0
 _ABORT_POLL = 0.5
 _STOP_GRACE = 5.0
 _LOG_TAIL_LINES = 12
+#: A trial's combined output, and the folder of each rank's own (torch's ``--log-dir`` layout).
+LOG_FILE = "log.txt"
+RANK_LOGS = "ranks"
+#: The first failed rank of a trial (its rank, local rank and exit code), from trial_job.
+FAILURE_FILE = "failure.json"
 
 
 @dataclass(frozen=True)
@@ -143,12 +148,28 @@ def _belongs(pid: int, trial_dir: Path) -> bool:
 
 
 def read_log_tail(path: Path) -> str:
-    """The last lines of a trial's log (empty where it cannot be read): what a crash's error
-    carries, so the user sees the failing rank's traceback without opening the log."""
+    """The last lines of a log (empty where it cannot be read)."""
     with contextlib.suppress(OSError):
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
         return "\n".join(lines[-_LOG_TAIL_LINES:])
     return ""
+
+
+def failure_tail(trial_dir: Path) -> str:
+    """What a crash's error carries where no rank reported why (it failed before distune could
+    see it: at import, in its argument parser): the first failed rank's own stderr tail, so the
+    user sees its traceback without opening the log; else the tail of the trial's log."""
+    failure = read_json_object(trial_dir / FAILURE_FILE)
+    if failure is not None:
+        local_rank = failure.get("local_rank")
+        for stderr in trial_dir.glob(f"{RANK_LOGS}/*/attempt_0/{local_rank}/stderr.log"):
+            tail = read_log_tail(stderr)
+            if tail:
+                return (
+                    f"rank {failure.get('rank')} exited with status {failure.get('exit_code')}; "
+                    f"its stderr ends:\n{tail}"
+                )
+    return read_log_tail(trial_dir / LOG_FILE)
 
 
 class TrialRunner:
@@ -159,12 +180,19 @@ class TrialRunner:
         self.trial_timeout = trial_timeout
         self.root = root
 
-    def _spec(self, script_args: list[str], master_port: int) -> dict[str, Any]:
+    def _spec(self, script_args: list[str], master_port: int, trial_dir: Path) -> dict[str, Any]:
         # torchrun's own arguments only (distune's flags are the launcher's business).
         torchrun_dests = {action.dest for action in get_args_parser()._actions}
         spec = {k: v for k, v in vars(self.args).items() if k in torchrun_dests}
         spec["training_script_args"] = script_args
         spec["max_restarts"] = 0  # a failing trial is an outcome, not something to retry
+        # Each rank's output in a file of its own (a failed rank's explains it), and in the log.
+        spec.update(log_dir=str(trial_dir / RANK_LOGS), redirects="3", tee="3")
+        if spec.get("run_path"):
+            # --run-path runs the script in a multiprocessing child whose agent waits for a
+            # return value that a trial's rank, ending once measured, never sends: the trial
+            # would hang to its time-out. The script runs the same as its own interpreter.
+            spec.update(run_path=False, module=False)
         if spec.get("rdzv_backend") == "static" and not spec.get("standalone"):
             spec["master_port"] = master_port  # a fresh port: the last trial's may linger
         return spec
@@ -187,7 +215,8 @@ class TrialRunner:
             trial_dir = self.root / f"trial-{index:03d}-{attempt}"
         trial_dir.mkdir(parents=True)
         spec_path = trial_dir / "torchrun.json"
-        spec_path.write_text(json.dumps(self._spec(script_args, master_port)), encoding="utf-8")
+        spec = self._spec(script_args, master_port, trial_dir)
+        spec_path.write_text(json.dumps(spec), encoding="utf-8")
         # The ranks' own collective time-out backs up the watchdog (twice its time-out, so the
         # watchdog's `timeout` comes first): a rank whose launcher is gone still ends.
         backstop = math.ceil(COLLECTIVE_TIMEOUT_FACTOR * self.trial_timeout)
@@ -197,7 +226,7 @@ class TrialRunner:
         env = {k: v for k, v in os.environ.items() if k not in (SERVICE_URL, SERVICE_TOKEN)}
         env.update(WorkerSettings(autotune_level=0).to_env())  # no online tuning in a trial
         env.update(settings.to_env())
-        log_path = trial_dir / "log.txt"
+        log_path = trial_dir / LOG_FILE
         start = time.monotonic()
         timed_out, stopped = False, None
         with open(log_path, "wb") as log:
@@ -218,7 +247,7 @@ class TrialRunner:
         reports = [r for p in sorted(trial_dir.glob("rank*.json")) if (r := read_json_object(p))]
         result = read_json_object(trial_dir / "result.json")
         outcome, error = classify(
-            exit_code, timed_out, reports, result, read_log_tail(log_path), self.node_rank == 0
+            exit_code, timed_out, reports, result, failure_tail(trial_dir), self.node_rank == 0
         )
         peaks = [int(r["peak_memory_bytes"]) for r in reports if r.get("peak_memory_bytes")]
         return TrialRun(

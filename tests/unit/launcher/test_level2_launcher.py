@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from distune.launcher.level2 import command_without_tuning
+from distune.launcher.level2 import command_without_tuning, mapped_flags_failed, run_as
+from distune.launcher.main import main
 from distune.launcher.options import parse, trial_pins
 from distune.launcher.trial_args import rewrite_script_args
 from distune.launcher.trial_runner import classify
-from distune.tuning_service.trials.trial_config import TrialPins
+from distune.tuning_service.trials.trial_config import TrialConfig, TrialPins
+from distune.tuning_service.trials.trial_result import TrialResult
 
 OK_RESULT = {"outcome": "ok", "throughput": 10.0}
 
@@ -147,6 +149,64 @@ def test_bad_level2_flags_exit_2_naming_the_flag(argv, message, capsys) -> None:
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+            "zero_optimization takes only stage (ddp, torch's ZeroRedundancyOptimizer or FSDP), "
+            "got offload_param: DeepSpeed's other ZeRO options, CPU or NVMe offload among them",
+        ),
+        (
+            {"arg_mappings": {"train_micro_batch_size_per_gpu": "--bs",
+                              "gradient_accumulation_steps": "--bs"}},
+            "arg_mappings: gradient_accumulation_steps and train_micro_batch_size_per_gpu map to "
+            "the same flag "
+            "--bs; each needs a flag of its own",
+        ),
+        ({"train_batch_size": "all"}, "train_batch_size must be a whole number of at least 1"),
+        # The pinned batch cannot be kept on 2 ranks: said before the profile trial, with what can.
+        (
+            {"train_batch_size": 31},
+            "train_batch_size 31 does not divide among 2 ranks; the nearest that do: 30 or 32",
+        ),
+        (
+            {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4},
+            "no micro-batch x accumulation gives train_batch_size 30 on 2 ranks with the pinned "
+            "values {'train_micro_batch_size_per_gpu': 4, 'train_batch_size': 30}: each rank's "
+            "15 samples split only as 1 x 15, 3 x 5, 5 x 3, 15 x 1; unpin one or pass "
+            "--autotune_allow_batch_change",
+        ),
+        (
+            {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+             "gradient_accumulation_steps": 2},
+            "train_batch_size 32 is not train_micro_batch_size_per_gpu 4 x "
+            "gradient_accumulation_steps 2 x 2 ranks",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_deepspeed_style_keys_exit_2_before_anything_starts(
+    tmp_path, config, message, capsys
+) -> None:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    argv = ["--nproc_per_node", "2", "--autotune_level", "2", "--autotune_config", str(path)]
+    assert main([*argv, "t.py"]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"distune-run: error: --autotune_config: {message}")
+    assert err.count("\n") == 1
+    assert "tuning service" not in out  # refused before the service started
+
+
+def test_auto_batch_keys_of_a_trainer_deepspeed_config_are_distunes_to_choose(tmp_path) -> None:
+    path = tmp_path / "ds_config.json"
+    auto = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2}}  # fmt: skip
+    path.write_text(json.dumps(auto))
+    args, _ = parse(["--autotune_level", "2", "--autotune_config", str(path), "t.py"])
+    assert trial_pins(args).pinned() == {"zero_optimization": {"stage": 2}}
+
+
 def test_the_arg_mappings_example_config_is_valid() -> None:
     example = Path(__file__).resolve().parents[3] / "examples" / "level2_arg_mappings.yaml"
     args, _ = parse(["--autotune_level", "2", "--autotune_config", str(example), "t.py"])
@@ -256,3 +316,26 @@ def test_a_best_config_in_bf16_reaches_the_ranks_and_auto_profiles_in_full_preci
     assert settings_for(best, TrialPins(bf16=None), None).to_env()[BF16] == "1"
     # bf16 allowed (auto): the profile runs the script's own numerics, full precision.
     assert BF16 not in settings_for(None, TrialPins(bf16=None), None).to_env()
+
+
+def _ran(trial: int, config: TrialConfig, outcome: str, purpose: str = "search") -> TrialResult:
+    measured = {"throughput": 10.0, "step_seconds": 1.0} if outcome == "ok" else {}
+    error = None if outcome == "ok" else "train.py: error: unrecognized arguments: --bs 8"
+    return TrialResult(trial, config, 2, outcome, purpose, error=error, **measured)
+
+
+def test_a_winner_only_the_profile_ran_ok_runs_as_the_profile_ran_and_the_user_is_told() -> None:
+    own, larger = TrialConfig(2, 4, 0, False), TrialConfig(8, 1, 0, False)
+    pins = TrialPins(arg_mappings=(("train_micro_batch_size_per_gpu", "--bs"),))
+    # Every trial that set --bs crashed (the script takes no such flag); the profile ran.
+    results = [_ran(0, own, "ok", "profile"), _ran(1, larger, "crash"), _ran(2, own, "crash")]
+    assert run_as(results, own) is None  # the script's own arguments, not --bs 2
+    warning = mapped_flags_failed(results, pins)
+    assert warning is not None
+    assert warning.startswith("no trial that set --bs (the config's arg_mappings) ended ok")
+    assert "trial 1, ended crash (train.py: error: unrecognized arguments: --bs 8)" in warning
+    # A winner a trial with its knobs measured runs with them; then nothing to tell.
+    results.append(_ran(3, larger, "ok"))
+    assert run_as(results, larger) == larger
+    assert mapped_flags_failed(results, pins) is None
+    assert mapped_flags_failed(results[:3], TrialPins()) is None  # nothing was mapped

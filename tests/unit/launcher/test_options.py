@@ -16,6 +16,23 @@ def test_torchrun_flags_pass_through_with_both_spellings():
     assert options == AutotuneOptions()
 
 
+def test_valid_torchrun_output_and_rendezvous_flags_pass_and_script_flags_stay_its_own(tmp_path):
+    args, options = parse(
+        [
+            "--tee", "0:1,1:2", "--redirects", "3", "--log-dir", str(tmp_path / "new" / "logs"),
+            "--local-ranks-filter", "0,1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", "localhost:29400", "-m", "pkg.train",
+            "--autotune_level", "2", "--nproc_per_node", "3", "--", "--tee", "x",
+        ]
+    )  # fmt: skip
+    assert (args.tee, args.redirects, args.local_ranks_filter) == ("0:1,1:2", "3", "0,1")
+    assert args.module and args.training_script == "pkg.train"
+    assert args.training_script_args == [
+        "--autotune_level", "2", "--nproc_per_node", "3", "--", "--tee", "x"
+    ]  # fmt: skip
+    assert options == AutotuneOptions()
+
+
 def test_torchrun_pet_environment_fallback(monkeypatch):
     monkeypatch.setenv("PET_NPROC_PER_NODE", "4")
     args, _ = parse(["train.py"])
@@ -92,6 +109,14 @@ def test_hierarchical_off(spelling):
         (["--nnodes", "2", "--node_rank", "2"], "argument --node_rank: must be in [0, 2)"),
         (["--node_rank", "-1"], "argument --node_rank: must be in [0, 1)"),
         (["--rdzv_conf", "garbage"], "argument --rdzv_conf: The rendezvous configuration option"),
+        (["--redirects", "9"], "argument --redirects: must be 0 (none), 1 (stdout), 2 (stderr) or 3"),
+        (["--tee", "x"], "argument --tee: must be 0 (none), 1 (stdout), 2 (stderr) or 3 (both), or per local rank like 0:1,1:2, got 'x'"),
+        (["--log-dir", "/etc/passwd/logs"], "argument --log_dir: '/etc/passwd' is not a directory"),
+        (["--rdzv-backend", "nope"], "argument --rdzv_backend: must be one of c10d, etcd, etcd-v2, static, got 'nope'"),
+        (["--rdzv-endpoint", "node0:port"], "argument --rdzv_endpoint: The port number of the rendezvous endpoint 'node0:port'"),
+        (["--local-ranks-filter", "0,x"], "argument --local_ranks_filter: must be local ranks separated by commas"),
+        (["--logs-specs", "nope"], "argument --logs_specs: Could not find entrypoint"),
+        (["--no-python", "-m"], "arguments --no-python and --module (-m) cannot be used together"),
     ],
 )  # fmt: skip
 def test_invalid_values_exit_2_with_one_line_naming_the_flag(argv, message, capsys):
@@ -142,7 +167,12 @@ def test_best_file_is_a_config_file(tmp_path):
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("autotune_levle: 1\nbucket_sise: 3\n", "unknown key(s) 'autotune_levle', 'bucket_sise'"),
+        (
+            "autotune_levle: 1\nbucket_sise: 3\n",
+            "unknown key(s) 'autotune_levle' (did you mean 'autotune_level'?), 'bucket_sise' (did "
+            "you mean 'bucket_size'?)",
+        ),
+        ("".join(f"k{i}: 1\n" for i in range(9)), "'k4' and 4 more in"),
         ("autotune_warmup_time: -2\n", "autotune_warmup_time must be a positive number of seconds"),
         ("bucket_size: true\n", "bucket_size must be a positive whole number of bytes, got True"),
         (

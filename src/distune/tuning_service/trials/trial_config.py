@@ -5,7 +5,8 @@ stage (0 = distune's DDP), activation checkpointing and bf16 mixed precision. Th
 of them with the same keys in ``--autotune_config``; a pinned value is never changed by the
 search. Mixed precision changes the numerics, so it is tried only where the config allows it,
 as DeepSpeed's ``bf16`` section says it: ``bf16: {enabled: auto}`` lets distune try it,
-``enabled: true`` pins it on, ``false`` or no ``bf16`` section never uses it.
+``enabled: true`` pins it on, ``false`` or no ``bf16`` section never uses it. A batch key
+set to ``auto`` (a DeepSpeed config for Hugging Face's Trainer) is not pinned.
 """
 
 from __future__ import annotations
@@ -110,6 +111,15 @@ class TrialConfig:
         )
 
 
+def _batch_knob(data: Mapping[str, Any], key: str) -> int | None:
+    """A batch key's pinned value; None where it is absent or ``auto`` (as a DeepSpeed config
+    for Hugging Face's Trainer says "fill it in": distune chooses it)."""
+    value = data.get(key)
+    if value is None or (isinstance(value, str) and value.strip().lower() == AUTO):
+        return None
+    return _positive_int(key, value)
+
+
 def _positive_int(key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise TrialConfigError(f"{key} must be a whole number of at least 1, got {value!r}")
@@ -127,6 +137,14 @@ def _stage(value: Any) -> int:
     if isinstance(stage, bool) or stage not in STRATEGY_NAMES:
         raise TrialConfigError(
             f"{ZERO} must be a mapping with stage 0, 1, 2 or 3 (0 = DDP), got {value!r}"
+        )
+    others = sorted(str(key) for key in value if key != "stage")
+    if others:
+        # Ignoring them would silently drop what the user asked for (an offload, above all).
+        raise TrialConfigError(
+            f"{ZERO} takes only stage (ddp, torch's ZeroRedundancyOptimizer or FSDP), got "
+            f"{', '.join(others)}: DeepSpeed's other ZeRO options, CPU or NVMe offload among "
+            "them, are not distune's; remove them"
         )
     return int(stage)
 
@@ -171,6 +189,11 @@ def _arg_mappings(value: Any) -> dict[str, str]:
                 f"--batch_size, got {flag!r}"
             )
         mappings[key] = flag
+    if len(set(mappings.values())) < len(mappings):
+        raise TrialConfigError(
+            f"{ARG_MAPPINGS}: {' and '.join(sorted(mappings))} map to the same flag "
+            f"{next(iter(mappings.values()))}; each needs a flag of its own"
+        )
     return mappings
 
 
@@ -191,15 +214,9 @@ class TrialPins:
     def from_config(cls, data: Mapping[str, Any]) -> TrialPins:
         """The level-2 keys of a config mapping, validated; other keys are ignored."""
         return cls(
-            micro_batch=_positive_int(MICRO_BATCH, data[MICRO_BATCH])
-            if MICRO_BATCH in data
-            else None,
-            accumulation=(
-                _positive_int(ACCUMULATION, data[ACCUMULATION]) if ACCUMULATION in data else None
-            ),
-            global_batch=(
-                _positive_int(GLOBAL_BATCH, data[GLOBAL_BATCH]) if GLOBAL_BATCH in data else None
-            ),
+            micro_batch=_batch_knob(data, MICRO_BATCH),
+            accumulation=_batch_knob(data, ACCUMULATION),
+            global_batch=_batch_knob(data, GLOBAL_BATCH),
             stage=_stage(data[ZERO]) if ZERO in data else None,
             checkpointing=_checkpointing(data[CHECKPOINTING]) if CHECKPOINTING in data else None,
             arg_mappings=tuple(sorted(_arg_mappings(data.get(ARG_MAPPINGS, {})).items())),

@@ -49,14 +49,21 @@ class TrialSpace:
                 f"{ACCUMULATION} {pins.accumulation} x {self.world_size} ranks"
             )
         if not self.allow_batch_change and self.global_batch % self.world_size:
+            lower = self.global_batch - self.global_batch % self.world_size
+            nearest = " or ".join(str(n) for n in (lower, lower + self.world_size) if n > 0)
             raise TrialConfigError(
-                f"{GLOBAL_BATCH} {self.global_batch} does not divide among {self.world_size} ranks"
+                f"{GLOBAL_BATCH} {self.global_batch} does not divide among {self.world_size} "
+                f"ranks; the nearest that do: {nearest}"
             )
         if not self.micro_batches():
+            per_rank = self.global_batch // self.world_size
+            splits = [f"{m} x {per_rank // m}" for m in range(1, per_rank + 1) if per_rank % m == 0]
             raise TrialConfigError(
                 f"no micro-batch x accumulation gives {GLOBAL_BATCH} {self.global_batch} on "
-                f"{self.world_size} ranks with the pinned values {self.pins.pinned()}; "
-                "unpin one or pass --autotune_allow_batch_change"
+                f"{self.world_size} ranks with the pinned values {self.pins.pinned()}: each "
+                f"rank's {per_rank} samples split only as {', '.join(splits[:8])}"
+                f"{' ...' if len(splits) > 8 else ''}; unpin one or pass "
+                "--autotune_allow_batch_change"
             )
 
     @property

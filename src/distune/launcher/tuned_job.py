@@ -1,0 +1,96 @@
+"""Which job a level-2 results directory holds the trials of: its ``job.json``.
+
+A trial's measurement holds for one script with its arguments (the flags ``arg_mappings``
+rewrites aside: they are what the trials vary), on one world of ranks and nodes, under one
+memory cap and one set of pinned values. ``--autotune_resume`` reuses trials by their
+configuration alone, so resuming another job's directory would choose from measurements of
+something else: the launcher refuses it before anything starts, naming what differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distune.errors import ConfigError
+from distune.launcher.trial_args import unmapped_args
+from distune.tuning_service.trials.trial_config import TrialPins
+
+JOB_FILE = "job.json"
+
+
+class OtherJobError(ConfigError):
+    """``--autotune_resume`` names the results of another job; the message says what differs."""
+
+
+def _script(args: argparse.Namespace) -> str:
+    if args.module:
+        return f"-m {args.training_script}"
+    if args.no_python:
+        return f"--no-python {args.training_script}"
+    return os.path.abspath(args.training_script)
+
+
+@dataclass(frozen=True)
+class TunedJob:
+    """What the trials of one level-2 run measured: the same job measures the same."""
+
+    script: str
+    script_args: list[str]
+    world_size: int
+    nnodes: int
+    device_memory: int | None
+    pinned: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls,
+        args: argparse.Namespace,
+        pins: TrialPins,
+        device_memory: int | None,
+        world: tuple[int, int],
+    ) -> TunedJob:
+        """This launch's job; ``world`` is the trials' (nodes, ranks)."""
+        nnodes, world_size = world
+        pinned = pins.pinned()
+        if pins.arg_mappings:
+            pinned["arg_mappings"] = dict(pins.arg_mappings)
+        return cls(
+            script=_script(args),
+            script_args=unmapped_args(list(args.training_script_args), pins),
+            world_size=world_size,
+            nnodes=nnodes,
+            device_memory=device_memory,
+            pinned=pinned,
+        )
+
+    def write(self, directory: Path) -> None:
+        """Record the job in its results directory."""
+        (directory / JOB_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    def check_resume(self, directory: Path) -> bool:
+        """Refuse (:class:`OtherJobError`) to resume ``directory`` where its trials are of
+        another job; False where it records no job (written before ``job.json`` existed)."""
+        try:
+            recorded = json.loads((directory / JOB_FILE).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return False
+        except (OSError, ValueError) as error:
+            raise OtherJobError(f"{directory / JOB_FILE} cannot be read: {error}") from None
+        mine = asdict(self)
+        differences = [
+            f"{name}: {recorded.get(name)!r} there, {mine[name]!r} here"
+            for name in mine
+            if recorded.get(name) != mine[name]
+        ]
+        if differences:
+            raise OtherJobError(
+                f"the trials in {directory} are of another job ({'; '.join(differences)}): "
+                "resume only the same script, arguments (the mapped flags aside), ranks, memory "
+                "cap and pinned values, or start afresh with a new --autotune_results_dir"
+            )
+        return True

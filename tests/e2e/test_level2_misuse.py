@@ -1,0 +1,46 @@
+"""Level-2 trials of scripts and flags a tuner does not expect: one real trial each, of one
+gloo rank, run by the launcher's :class:`TrialRunner` as ``distune-run`` runs it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from distune.launcher.level2 import free_port
+from distune.launcher.options import parse
+from distune.launcher.trial_runner import TrialRunner
+from distune.trial_settings import TrialSettings
+from distune.tuning_service.trials.trial_result import CRASH, OK
+from tests.e2e.conftest import SCRIPTS
+
+pytestmark = pytest.mark.slow
+WORKER = str(SCRIPTS / "level2_worker.py")
+TRIAL_TIMEOUT = 25.0
+
+
+def one_trial(tmp_path: Path, argv: list[str]) -> TrialRunner:
+    args, _ = parse(["--nproc_per_node", "1", *argv])
+    return TrialRunner(args, TRIAL_TIMEOUT, tmp_path / "trials")
+
+
+def test_a_script_that_fails_before_distune_sees_it_crashes_with_its_own_traceback(tmp_path):
+    script = tmp_path / "broken.py"
+    script.write_text("import no_such_module_for_distune\n")
+    run = one_trial(tmp_path, [str(script)]).run(0, TrialSettings(), [], free_port())
+    assert run.outcome == CRASH
+    assert run.error is not None
+    # The failing rank's own stderr, not torch's failure summary that ends the trial's log.
+    assert run.error.startswith("rank 0 exited with status 1")
+    assert run.error.splitlines()[-1] == (
+        "ModuleNotFoundError: No module named 'no_such_module_for_distune'"
+    )
+
+
+def test_a_run_path_trial_ends_once_measured_rather_than_at_its_time_out(tmp_path):
+    runner = one_trial(tmp_path, ["--run-path", WORKER])
+    run = runner.run(
+        0, TrialSettings(micro_batch=2, accumulation=1), ["--steps", "40"], free_port()
+    )
+    assert run.outcome == OK, run.error
+    assert run.duration < TRIAL_TIMEOUT

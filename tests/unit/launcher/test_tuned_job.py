@@ -1,0 +1,83 @@
+"""``--autotune_resume`` reuses only the trials of the same job (``job.json``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from distune.launcher.level2 import trial_world
+from distune.launcher.main import main
+from distune.launcher.options import parse, trial_pins
+from distune.launcher.tuned_job import JOB_FILE, OtherJobError, TunedJob
+
+MAPPINGS = "arg_mappings: {train_micro_batch_size_per_gpu: --bs}\n"
+
+
+def earlier_run(tmp_path: Path, argv: list[str]) -> Path:
+    """A results directory of an earlier level-2 run of ``argv``."""
+    results = tmp_path / "earlier"
+    results.mkdir(exist_ok=True)
+    (results / "trials.jsonl").write_text("")
+    args, options = parse(["--autotune_level", "2", *argv])
+    job = TunedJob.of(args, trial_pins(args), options.autotune_device_memory, trial_world(args))
+    job.write(results)
+    return results
+
+
+def resume(results: Path, argv: list[str]) -> bool:
+    args, options = parse(["--autotune_level", "2", "--autotune_resume", str(results), *argv])
+    job = TunedJob.of(args, trial_pins(args), options.autotune_device_memory, trial_world(args))
+    return job.check_resume(results)
+
+
+def test_the_same_job_resumes_whatever_its_mapped_flags_say(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(MAPPINGS)
+    flags = ["--nproc_per_node", "2", "--autotune_config", str(config)]
+    results = earlier_run(tmp_path, [*flags, "train.py", "--bs", "4", "--lr", "1"])
+    # The mapped flag is what trials vary; the rest is the job.
+    assert resume(results, [*flags, "train.py", "--lr", "1", "--bs=16"]) is True
+    assert json.loads((results / JOB_FILE).read_text())["script_args"] == ["--lr", "1"]
+
+
+@pytest.mark.parametrize(
+    ("now", "named"),
+    [
+        (["--nproc_per_node", "2", "other.py", "--lr", "1"], "script: "),
+        (["--nproc_per_node", "2", "train.py", "--lr", "2"], "script_args: ['--lr', '1'] there"),
+        (["--nproc_per_node", "4", "train.py", "--lr", "1"], "world_size: 2 there, 4 here"),
+        (
+            ["--nproc_per_node", "2", "--autotune_device_memory", "1GiB", "train.py", "--lr", "1"],
+            "device_memory: None there, 1073741824 here",
+        ),
+        (["--nproc_per_node", "2", "-m", "train.py", "--lr", "1"], "'-m train.py' here"),
+    ],
+)
+def test_another_jobs_trials_are_refused_naming_what_differs(tmp_path, now, named):
+    results = earlier_run(tmp_path, ["--nproc_per_node", "2", "train.py", "--lr", "1"])
+    with pytest.raises(OtherJobError, match="are of another job") as error:
+        resume(results, now)
+    assert named in str(error.value)
+
+
+def test_a_resume_of_another_job_exits_2_before_anything_starts(tmp_path, capsys):
+    config = tmp_path / "pinned.yaml"
+    config.write_text("zero_optimization: {stage: 1}\n")
+    results = earlier_run(tmp_path, ["--nproc_per_node", "2", "train.py"])
+    argv = [
+        "--nproc_per_node", "2", "--autotune_level", "2", "--autotune_resume", str(results),
+        "--autotune_config", str(config), "train.py",
+    ]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr()
+    assert "distune-run: error: --autotune_resume: the trials in" in err.err
+    assert "pinned: {} there, {'zero_optimization': {'stage': 1}} here" in err.err
+    assert "tuning service" not in err.out
+
+
+def test_a_results_directory_from_before_job_json_cannot_be_checked(tmp_path):
+    results = earlier_run(tmp_path, ["train.py"])
+    (results / JOB_FILE).unlink()
+    assert resume(results, ["other.py"]) is False
