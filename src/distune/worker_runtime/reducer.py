@@ -226,6 +226,11 @@ class Reducer:
         # was reported; the nodes of outputs the running backward reached before any parameter.
         self._unreached = 0
         self._reported_unreached = False
+        #: Whether a forward with gradients ran through the wrapper since the last averaged
+        #: backward; a parameter's gradient seen without one is logged once (_note_local).
+        self.forwarded = False
+        self._reported_local = False
+        self._local_checks: list[int] = []
         self._reached_nodes: list[Any] = []
         #: Synchronised backward passes completed: the iteration count sync points refer to.
         self.iterations = 0
@@ -372,6 +377,7 @@ class Reducer:
             self._check_idle("start a forward")
             if sync:
                 self.armed = True
+            self.forwarded = True
             self._spares = []
             self._reached_nodes = []  # whatever backward reached them is over
 
@@ -437,6 +443,7 @@ class Reducer:
     def _grad_ready(self, index: int) -> None:
         with self._lock:
             if not self.armed:
+                self._note_local(index)
                 return  # no_sync, or a backward this wrapper's forward did not arm
             if not self._active:
                 self._begin_backward()
@@ -458,6 +465,33 @@ class Reducer:
                 )
             self._into_bucket(index)
             self._mark_ready(index)
+
+    def _note_local(self, index: int) -> None:
+        """A gradient this wrapper leaves local. With no forward through the wrapper since the
+        last averaged backward, it came from a backward through ``model.module`` (or a loss
+        of the inner module's own methods): logged once, at the end of that backward, unless
+        another wrapper of the parameter averages it (re-wrapping leaves the old one inert)."""
+        if not (self.forwarded or self._reported_local or self._local_checks):
+            self._local_checks.append(index)
+            torch.autograd.Variable._execution_engine.queue_callback(self._report_local)
+
+    def _report_local(self) -> None:
+        index = self._local_checks.pop()
+        grad = self._params[index].grad
+        owner = None if grad is None or grad._base is None else getattr(grad._base, _OWNER, None)
+        other = None if owner is None else owner()
+        if self.forwarded or self._reported_local or (other is not None and other is not self):
+            return
+        self._reported_local = True
+        logger.warning(
+            "a backward reached parameter %r without a forward through its "
+            "DistributedDataParallel since the last averaged backward (a backward through "
+            "model.module, or a loss computed by the inner module's own methods): its "
+            "gradients stay local to this rank, as with torch's DDP, and an optimizer step "
+            "on them makes the ranks' models drift apart. If this is a training step, run its "
+            "forward through the wrapper: model(x). (Logged once.)",
+            self._names[index],
+        )
 
     def _raise_grad_taken(self, index: int, when: str) -> NoReturn:
         """``.grad`` was cleared or replaced during backward by a hook that ran ``when``
@@ -595,7 +629,7 @@ class Reducer:
             finally:
                 ready_order = self._ready_order
                 self._reset_backward_state()
-                self.armed = False
+                self.armed = self.forwarded = False
             self.iterations += 1
         self._report_unreached()
         self._after_iteration(ready_order)

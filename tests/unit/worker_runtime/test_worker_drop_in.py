@@ -644,3 +644,24 @@ def test_zero_overlap_hooks_are_refused_at_registration(world, monkeypatch):
         hook = make(allreduce_hook, model, zero)
         with pytest.raises(UnsupportedModuleError, match="without overlap_with_ddp"):
             model.register_comm_hook(None, hook)
+
+
+def test_training_through_model_module_is_logged_once(world, caplog):
+    # Gradients of a backward through .module stay local, as with torch's DDP; a script that
+    # trains through it (a loss method of the inner module) gets one warning saying so.
+    module = mlp()
+    model = distune.DistributedDataParallel(module)
+    old = distune.DistributedDataParallel(mlp())
+    rewrapped = distune.DistributedDataParallel(old.module)  # the old wrapper goes inert
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            with model.no_sync():
+                step(model)
+            step(model)
+            step(rewrapped)
+        assert not caplog.records, "no_sync and a second wrapper's backward are no news"
+        for _ in range(3):
+            step(module)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and "parameter '3.bias' without a forward" in messages[0]
+    assert "model(x)" in messages[0] and model._reducer.iterations == 2
