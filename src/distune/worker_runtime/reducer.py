@@ -298,7 +298,9 @@ class Reducer:
                 for k, i in enumerate(members):
                     self._slots[i] = Slot(b, k)
                     view = self._views[i] = self._buckets[b].views[k]
-                    self._offsets[i] = view.data_ptr() - self._buckets[b].flat.data_ptr()
+                    # -1: an empty view has no address of its own (data_ptr() is 0).
+                    flat = self._buckets[b].flat
+                    self._offsets[i] = view.data_ptr() - flat.data_ptr() if view.numel() else -1
                     param = self._params[i]
                     if param.grad is not None:
                         view.copy_(param.grad)
@@ -516,9 +518,9 @@ class Reducer:
         """
         view, slot, param = self._views[index], self._slots[index], self._params[index]
         dtype, device = self._keys[index]
-        flat = self._buckets[slot.bucket].flat
+        flat, offset = self._buckets[slot.bucket].flat, self._offsets[index]
         if (
-            view.data_ptr() == flat.data_ptr() + self._offsets[index]
+            (offset < 0 or view.data_ptr() == flat.data_ptr() + offset)
             and param.dtype is dtype
             and param.device == device
         ):

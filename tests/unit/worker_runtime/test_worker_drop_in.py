@@ -470,6 +470,23 @@ def test_converting_the_model_after_wrapping_is_an_error_not_local_gradients(wor
         model(torch.randn(3, 16).half()).sum().backward()
 
 
+def test_buckets_moved_whole_and_empty_parameters_are_no_conversion(world):
+    # share_memory() moves each bucket's storage with all its views; an empty parameter's
+    # view has no address of its own. Neither leaves a gradient out of its bucket.
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: initializing an empty tensor
+        module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 0), nn.Linear(0, 2))
+    model = distune.DistributedDataParallel(module)
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    model.share_memory()
+    model.zero_grad(set_to_none=False)
+    model(x).sum().backward()
+    reducer = model._reducer
+    assert all(p.grad is v for p, v in zip(reducer._params, reducer._views, strict=True))
+
+
 @pytest.mark.parametrize("set_to_none", [False, True])
 def test_a_new_memory_format_after_wrapping_is_an_error_not_local_gradients(world, set_to_none):
     # Same dtype and device: only the .grad's memory moved out of its bucket, so autograd's
