@@ -51,7 +51,8 @@ class UnsupportedModuleError(DistuneError, ValueError):
     """A module, or a use of it, that torch's DDP accepts but distune cannot average as torch
     does (sparse embeddings, a DDP wrapper nested inside, ``join()`` under a model-averaging
     algorithm or with ``divide_by_initial_world_size=False``, ZeroRedundancyOptimizer's
-    overlap hooks); the message names it and the way out."""
+    overlap hooks, a ``grad_dtype`` other than the parameter's); the message names it and the
+    way out."""
 
 
 #: The module of torch's comm hooks that overlap ZeroRedundancyOptimizer with torch's reducer.
@@ -566,6 +567,7 @@ def _trainable(module: nn.Module, ignored: frozenset[str]) -> list[tuple[str, nn
         )
     _refuse_sparse(module, ignored)
     _refuse_nested(module)
+    _refuse_grad_dtype(named)
     if not named:
         raise ValueError(
             "the module has no parameter that requires a gradient: there is nothing to "
@@ -582,6 +584,19 @@ def _refuse_nested(module: nn.Module) -> None:
                 f"{where} is already a {type(sub).__module__}.{type(sub).__name__}: nested "
                 "wrappers would average its gradients twice, racing each other. Wrap the bare "
                 "model once (the inner wrapper's .module)"
+            )
+
+
+def _refuse_grad_dtype(named: list[tuple[str, nn.Parameter]]) -> None:
+    # torch 2.13's Tensor.grad_dtype: a gradient of another dtype than its parameter's.
+    for name, param in named:
+        grad_dtype = getattr(param, "grad_dtype", param.dtype)
+        if grad_dtype is not None and grad_dtype != param.dtype:
+            raise UnsupportedModuleError(
+                f"parameter {name!r} has grad_dtype={grad_dtype}, not its own dtype "
+                f"{param.dtype}: distune's buckets hold each gradient in its parameter's dtype "
+                "(torch's DDP refuses it too). Leave grad_dtype at the parameter's dtype, or "
+                "keep the parameters in the wider dtype and run the forward under torch.autocast"
             )
 
 

@@ -682,3 +682,15 @@ def test_training_through_model_module_is_logged_once(world, caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 1 and "parameter '3.bias' without a forward" in messages[0]
     assert "model(x)" in messages[0] and model._reducer.iterations == 2
+
+
+@pytest.mark.skipif(not hasattr(torch.Tensor, "grad_dtype"), reason="torch < 2.13")
+def test_a_grad_dtype_other_than_the_parameters_is_refused_at_construction(world):
+    # torch's DDP refuses it at the first backward ("Expected BFloat16, got Float"); distune
+    # failed there too, with torch's advice to change grad_dtype.
+    module = mlp().to(torch.bfloat16)
+    module[0].weight.grad_dtype = torch.float32
+    with pytest.raises(UnsupportedModuleError, match=r"'0\.weight' has grad_dtype=torch\.float32"):
+        distune.DistributedDataParallel(module)
+    module[0].weight.grad_dtype = None  # any dtype: autograd's own is the parameter's
+    step(distune.DistributedDataParallel(module.float()))
