@@ -554,6 +554,37 @@ def compiled_wrapper(out: Path) -> dict:
     return {"iterations": ours._reducer.iterations}
 
 
+@scenario
+def optimizer_in_backward(out: Path) -> dict:
+    """torch's ``_apply_optimizer_in_backward``: torch's DDP removes the per-parameter hooks at
+    its first forward and steps each parameter's optimizers once its gradient is averaged (on
+    an accelerator: on CPU torch 2.13's own path fails, asking for one); distune's wrapper does
+    the same, here against torch's DDP with the same optimizers stepped after backward. The
+    optimizers are given before and after wrapping."""
+    # Here, not at the top: importing torch.distributed.optim warns about torch.jit.
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    module = make_model()
+    params = list(module.parameters())
+    _apply_optimizer_in_backward(torch.optim.SGD, params[:3], {"lr": 0.1})
+    ours = distune.DistributedDataParallel(module)
+    _apply_optimizer_in_backward(torch.optim.Adam, params[3:], {"lr": 0.01})
+    ref = TorchDDP(make_model())
+    refs = list(ref.parameters())
+    optimizers = [torch.optim.SGD(refs[:3], lr=0.1), torch.optim.Adam(refs[3:], lr=0.01)]
+    for step in range(3):
+        for model in (ours, ref):
+            with model.no_sync():
+                loss_of(model, batch(10 + step)).backward()
+            loss_of(model, batch(step)).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        assert all(p.grad is None for p in params), "cleared after their step, as torch's hook"
+        assert_params_equal(ours.module, ref.module, f"step {step}")
+    return {"iterations": ours._reducer.iterations}
+
+
 def channels_last() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(64, 2))
@@ -675,6 +706,10 @@ def test_scripts_moved_from_torch_train_as_under_torchs_ddp(results):
 
 def test_torch_compile_of_the_wrapper_matches_torchs_ddp(results):
     assert results["compiled_wrapper"] == [{"iterations": 3}] * 2
+
+
+def test_torchs_optimizer_in_backward_steps_on_averaged_gradients_as_under_torchs_ddp(results):
+    assert results["optimizer_in_backward"] == [{"iterations": 3}] * 2
 
 
 def test_a_new_memory_format_and_an_optimizer_in_backward_raise_where_torch_drifts(results):

@@ -36,6 +36,7 @@ from distune.worker_runtime.join import DistributedDataParallelJoinHook, forward
 from distune.worker_runtime.leader_client import LeaderClient, check_model_name
 from distune.worker_runtime.model_names import NAMES_IN_USE, tuning_name
 from distune.worker_runtime.module_state import BufferBroadcast, broadcast_module_state
+from distune.worker_runtime.optimizer_in_backward import InBackwardOptimizers
 from distune.worker_runtime.reducer import Reducer
 from distune.worker_runtime.starting_group import StartingGroup
 from distune.worker_runtime.sync import SyncPoints
@@ -138,6 +139,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._set_torch_attributes(arguments, ignored)
         #: torch DDP's flag: False inside :meth:`no_sync`.
         self.require_backward_grad_sync = True
+        # Whether the first forward looked for torch's in-backward optimizers.
+        self._in_backward_checked = False
         #: torch DDP's flag: whether the last forward averaged (the next one then broadcasts
         #: buffers); True before the first.
         self.require_forward_param_sync = True
@@ -400,6 +403,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         reducer = self._runtime() if grad_enabled else None
         if reducer is not None:
             reducer.check_module(self.module)
+            if not self._in_backward_checked:
+                # As torch's DDP, at the first forward: optimizers put in backward by then.
+                self._in_backward_checked = True
+                in_backward = InBackwardOptimizers.take_over(reducer.params)
+                reducer.after_reduction = None if in_backward is None else in_backward.step
             if self._averager is not None:
                 self._averager.before_forward()
         self._sync_buffers(grad_enabled)
@@ -503,6 +511,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         state.setdefault("parameters_to_ignore", set())
         state.setdefault("require_forward_param_sync", True)
         super().__setstate__(state)
+        self._in_backward_checked = False  # the copy's own reducer looks at its first forward
         self.process_group = None
         self._reducer = self._sync = self._name_claim = None
         self._buffer_broadcast = self._averager = None

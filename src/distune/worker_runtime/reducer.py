@@ -236,6 +236,9 @@ class Reducer:
         self.iterations = 0
         #: Runs after each synchronised backward, outside the lock (see :data:`IterationHook`).
         self.on_iteration: IterationHook | None = None
+        #: Runs once the gradients of a synchronised backward are averaged, before it returns
+        #: (torch's in-backward optimizers: :mod:`.optimizer_in_backward`).
+        self.after_reduction: Callable[[], None] | None = None
         self._flat = _FlatAllreduce(process_group)
         self._hierarchical = (
             _HierarchicalAllreduce(process_groups, self._params[0].device)
@@ -633,6 +636,8 @@ class Reducer:
                 self._reset_backward_state()
                 self.armed = self.forwarded = False
             self.iterations += 1
+            if self.after_reduction is not None:
+                self.after_reduction()
         self._report_unreached()
         self._after_iteration(ready_order)
 
