@@ -404,10 +404,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if reducer is not None:
             reducer.check_module(self.module)
             if not self._in_backward_checked:
-                # As torch's DDP, at the first forward: optimizers put in backward by then.
-                self._in_backward_checked = True
-                in_backward = InBackwardOptimizers.take_over(reducer.params)
-                reducer.after_reduction = None if in_backward is None else in_backward.step
+                self._take_over_in_backward_optimizers(reducer)
             if self._averager is not None:
                 self._averager.before_forward()
         self._sync_buffers(grad_enabled)
@@ -420,6 +417,16 @@ class DistributedDataParallel(nn.Module, Joinable):
         if reducer is not None and averages:
             reducer.watch(output)
         return output
+
+    def _take_over_in_backward_optimizers(self, reducer: Reducer) -> None:
+        """As torch's DDP, at the first forward: the optimizers torch's
+        ``_apply_optimizer_in_backward`` gave the parameters by then step once their gradients
+        are averaged (:mod:`.optimizer_in_backward`). Not under a model-averaging algorithm,
+        which keeps gradients local: torch's hooks then stay."""
+        self._in_backward_checked = True
+        if self._averager is None:
+            in_backward = InBackwardOptimizers.take_over(reducer.params)
+            reducer.after_reduction = None if in_backward is None else in_backward.step
 
     def _sync_buffers(self, grad_enabled: bool) -> None:
         """Broadcast the buffers from rank 0 before a forward, by torch's rule: when the
