@@ -694,3 +694,23 @@ def test_a_grad_dtype_other_than_the_parameters_is_refused_at_construction(world
         distune.DistributedDataParallel(module)
     module[0].weight.grad_dtype = None  # any dtype: autograd's own is the parameter's
     step(distune.DistributedDataParallel(module.float()))
+
+
+@pytest.mark.parametrize("algorithm", [None, "Decentralized"])
+def test_torchs_in_backward_optimizers_step_once_per_backward(world, algorithm):
+    # Taken over (stepped after the reduction) with gradient averaging; left to torch's own
+    # hooks under a model-averaging algorithm, whose gradients stay local anyway.
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    from distune.algorithms import Decentralized
+
+    module = mlp()
+    _apply_optimizer_in_backward(torch.optim.SGD, module.parameters(), {"lr": 0.1})
+    chosen = Decentralized() if algorithm else None
+    model = distune.DistributedDataParallel(module, algorithm=chosen)
+    before = [p.detach().clone() for p in module.parameters()]
+    step(model)
+    assert all(p.grad is None for p in module.parameters())
+    assert all(not torch.equal(a, p) for a, p in zip(before, module.parameters(), strict=True))
+    assert (model._reducer.after_reduction is None) == bool(algorithm)
+    model.finish()
