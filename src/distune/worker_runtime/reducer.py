@@ -226,9 +226,9 @@ class Reducer:
         # was reported; the nodes of outputs the running backward reached before any parameter.
         self._unreached = 0
         self._reported_unreached = False
-        #: Whether a forward with gradients ran through the wrapper since the last averaged
-        #: backward; a parameter's gradient seen without one is logged once (_note_local).
-        self.forwarded = False
+        # Whether a forward with gradients ran through the wrapper since the last averaged
+        # backward; a parameter's gradient seen without one is logged once (_note_local).
+        self._forwarded = False
         self._reported_local = False
         self._local_checks: list[int] = []
         self._reached_nodes: list[Any] = []
@@ -382,7 +382,7 @@ class Reducer:
             self._check_idle("start a forward")
             if sync:
                 self.armed = True
-            self.forwarded = True
+            self._forwarded = True
             self._spares = []
             self._reached_nodes = []  # whatever backward reached them is over
 
@@ -476,7 +476,7 @@ class Reducer:
         last averaged backward, it came from a backward through ``model.module`` (or a loss
         of the inner module's own methods): logged once, at the end of that backward, unless
         another wrapper of the parameter averages it (re-wrapping leaves the old one inert)."""
-        if not (self.forwarded or self._reported_local or self._local_checks):
+        if not (self._forwarded or self._reported_local or self._local_checks):
             self._local_checks.append(index)
             torch.autograd.Variable._execution_engine.queue_callback(self._report_local)
 
@@ -485,7 +485,7 @@ class Reducer:
         grad = self._params[index].grad
         owner = None if grad is None or grad._base is None else getattr(grad._base, _OWNER, None)
         other = None if owner is None else owner()
-        if self.forwarded or self._reported_local or (other is not None and other is not self):
+        if self._forwarded or self._reported_local or (other is not None and other is not self):
             return
         self._reported_local = True
         logger.warning(
@@ -634,7 +634,7 @@ class Reducer:
             finally:
                 ready_order = self._ready_order
                 self._reset_backward_state()
-                self.armed = self.forwarded = False
+                self.armed = self._forwarded = False
             self.iterations += 1
             if self.after_reduction is not None:
                 self.after_reduction()
