@@ -230,7 +230,7 @@ class Reducer:
         # backward; a parameter's gradient seen without one is logged once (_note_local).
         self._forwarded = False
         self._reported_local = False
-        self._local_checks: list[int] = []
+        self._local_check: int | None = None  # the parameter _report_local looks at
         self._reached_nodes: list[Any] = []
         #: Synchronised backward passes completed: the iteration count sync points refer to.
         self.iterations = 0
@@ -476,12 +476,13 @@ class Reducer:
         last averaged backward, it came from a backward through ``model.module`` (or a loss
         of the inner module's own methods): logged once, at the end of that backward, unless
         another wrapper of the parameter averages it (re-wrapping leaves the old one inert)."""
-        if not (self._forwarded or self._reported_local or self._local_checks):
-            self._local_checks.append(index)
+        if not (self._forwarded or self._reported_local or self._local_check is not None):
+            self._local_check = index
             torch.autograd.Variable._execution_engine.queue_callback(self._report_local)
 
     def _report_local(self) -> None:
-        index = self._local_checks.pop()
+        index, self._local_check = self._local_check, None
+        assert index is not None
         grad = self._params[index].grad
         owner = None if grad is None or grad._base is None else getattr(grad._base, _OWNER, None)
         other = None if owner is None else owner()
