@@ -52,8 +52,8 @@ class UnsupportedModuleError(DistuneError, ValueError):
     """A module, or a use of it, that torch's DDP accepts but distune cannot average as torch
     does (sparse embeddings, a DDP wrapper nested inside, ``join()`` under a model-averaging
     algorithm or with ``divide_by_initial_world_size=False``, ZeroRedundancyOptimizer's
-    overlap hooks, a ``grad_dtype`` other than the parameter's); the message names it and the
-    way out."""
+    overlap hooks, a ``grad_dtype`` other than the parameter's, SyncBatchNorm on CPU); the
+    message names it and the way out."""
 
 
 #: The module of torch's comm hooks that overlap ZeroRedundancyOptimizer with torch's reducer.
@@ -129,6 +129,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         #: The algorithm keeping the ranks' models in step.
         self.algorithm = algorithm = _checked_algorithm(algorithm)
         arguments = TorchDDPArguments.bind(module, args, kwargs, [p for _, p in named], bucket_size)
+        _refuse_cpu_sync_batch_norm(module, arguments.device)
         self.module = module
         self.name = name
         #: torch's group the gradients are averaged over (``None`` only in a copy loaded
@@ -601,6 +602,18 @@ def _refuse_nested(module: nn.Module) -> None:
                 "wrappers would average its gradients twice, racing each other. Wrap the bare "
                 "model once (the inner wrapper's .module)"
             )
+
+
+def _refuse_cpu_sync_batch_norm(module: nn.Module, device: torch.device) -> None:
+    # torch's DDP refuses them at construction too; their forward would fail on CPU tensors.
+    if device.type == "cpu":
+        for prefix, sub in module.named_modules():
+            if isinstance(sub, nn.SyncBatchNorm):
+                raise UnsupportedModuleError(
+                    f"submodule {prefix!r} is a SyncBatchNorm, which works with GPU modules "
+                    "only (torch's DDP refuses it on CPU too): use nn.BatchNorm* on CPU, with "
+                    "buffers broadcast from rank 0 as torch's DDP does"
+                )
 
 
 def _refuse_grad_dtype(named: list[tuple[str, nn.Parameter]]) -> None:

@@ -714,3 +714,11 @@ def test_torchs_in_backward_optimizers_step_once_per_backward(world, algorithm):
     assert all(not torch.equal(a, p) for a, p in zip(before, module.parameters(), strict=True))
     assert (model._reducer.after_reduction is None) == bool(algorithm)
     model.finish()
+
+
+def test_sync_batch_norm_on_cpu_is_refused_at_construction_as_torch_refuses_it(world):
+    module = nn.SyncBatchNorm.convert_sync_batchnorm(mlp())
+    with pytest.raises(ValueError, match="only work with GPU modules"):
+        TorchDDP(module)
+    with pytest.raises(UnsupportedModuleError, match=r"submodule '1' is a SyncBatchNorm"):
+        distune.DistributedDataParallel(module)
