@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -380,6 +381,7 @@ class Reducer:
         """
         with self._lock:
             self._check_idle("start a forward")
+            _refuse_compiled_autograd()
             if sync:
                 self.armed = True
             self._forwarded = True
@@ -745,6 +747,26 @@ class Reducer:
             self._strategy.finish(handles)
             self.iterations += 1
         self._after_iteration([])
+
+
+def _refuse_compiled_autograd() -> None:
+    """Raise if compiled autograd is on (it would fail inside dynamo at the backward).
+
+    Run eagerly even under ``torch.compile`` of the wrapper: dynamo does not trace the lock
+    around it. Looked up, not imported: a job that never compiles never loads torch._dynamo
+    (seconds of import)."""
+    compiled = sys.modules.get("torch._dynamo.compiled_autograd")
+    config = sys.modules.get("torch._dynamo.config")
+    if getattr(compiled, "compiled_autograd_enabled", False) or getattr(
+        config, "compiled_autograd", False
+    ):
+        raise ReductionError(
+            "compiled autograd is on: it traces backward into a graph, and distune's reducer "
+            "averages from Python hooks and an end-of-backward callback it cannot trace "
+            "(torch's C++ DDP reducer is refused by it too). Turn compiled autograd off "
+            "(torch._dynamo.config.compiled_autograd = False): torch.compile of the model "
+            "works with distune's wrapper"
+        )
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -722,3 +722,18 @@ def test_sync_batch_norm_on_cpu_is_refused_at_construction_as_torch_refuses_it(w
         TorchDDP(module)
     with pytest.raises(UnsupportedModuleError, match=r"submodule '1' is a SyncBatchNorm"):
         distune.DistributedDataParallel(module)
+
+
+def test_compiled_autograd_is_refused_at_the_forward(world, monkeypatch):
+    # Before, the backward failed inside dynamo ("queue_callback() is only supported when
+    # Compiled Autograd is enabled with fullgraph=True"); torch's DDP refuses it too.
+    import torch._dynamo
+
+    model = distune.DistributedDataParallel(mlp())
+    step(model)
+    compiling = torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager"))
+    with compiling, pytest.raises(ReductionError, match="compiled autograd is on"):
+        step(model)
+    monkeypatch.setattr(torch._dynamo.config, "compiled_autograd", True)
+    with pytest.raises(ReductionError, match="compiled_autograd = False"):
+        step(model)
