@@ -517,6 +517,74 @@ def scripts_moved_from_torch(out: Path) -> dict:
     return {"keys": list(ours.state_dict()) == list(ref.state_dict())}
 
 
+class SpareWithNorm(nn.Module):
+    """A batch norm, and a layer used only when asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.Linear(16, 5))
+        self.spare = nn.Linear(12, 5)
+
+    def forward(self, x: torch.Tensor, use_spare: bool = False) -> torch.Tensor:
+        return self.net(x) + self.spare(x) if use_spare else self.net(x)
+
+
+@scenario
+def compiled_wrapper(out: Path) -> dict:
+    """``torch.compile(model)`` of distune's wrapper (dynamo traces its forward) against torch's
+    DDP run eagerly: ``no_sync`` micro-batches, a layer used on rank 1 only, evaluation forwards
+    under ``no_grad`` between steps, batch-norm buffers."""
+    ours = distune.DistributedDataParallel(SpareWithNorm())
+    ref = TorchDDP(SpareWithNorm(), find_unused_parameters=True)
+    compiled = torch.compile(ours, backend="aot_eager")
+
+    def step_of(model: nn.Module, step: int) -> None:
+        model = compiled if model is ours else model
+        with model.no_sync():
+            loss_of(model, batch(10 + step)).backward()
+        out = model(batch(step), use_spare=dist.get_rank() == 1)
+        out.pow(2).mean().backward()
+        model.eval()
+        with torch.no_grad():
+            model(batch(20 + step))
+        model.train()
+
+    train_both(ours, ref, "compiled", step_of=step_of)
+    return {"iterations": ours._reducer.iterations}
+
+
+@scenario
+def optimizer_in_backward(out: Path) -> dict:
+    """torch's ``_apply_optimizer_in_backward``: torch's DDP removes the per-parameter hooks at
+    its first forward and steps each parameter's optimizers once its gradient is averaged (on
+    an accelerator: on CPU torch 2.13's own path fails, asking for one); distune's wrapper does
+    the same, here against torch's DDP with the same optimizers stepped after backward. The
+    optimizers are given before and after wrapping."""
+    # Here, not at the top: importing torch.distributed.optim warns about torch.jit.
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    module = make_model()
+    params = list(module.parameters())
+    _apply_optimizer_in_backward(torch.optim.SGD, params[:3], {"lr": 0.1})
+    ours = distune.DistributedDataParallel(module)
+    _apply_optimizer_in_backward(torch.optim.Adam, params[3:], {"lr": 0.01})
+    ref = TorchDDP(make_model())
+    refs = list(ref.parameters())
+    optimizers = [torch.optim.SGD(refs[:3], lr=0.1), torch.optim.Adam(refs[3:], lr=0.01)]
+    for step in range(3):
+        for model in (ours, ref):
+            with model.no_sync():
+                loss_of(model, batch(10 + step)).backward()
+            loss_of(model, batch(step)).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        assert all(p.grad is None for p in params), "cleared after their step, as torch's hook"
+        assert_params_equal(ours.module, ref.module, f"step {step}")
+    return {"iterations": ours._reducer.iterations}
+
+
 def channels_last() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(64, 2))
@@ -634,6 +702,14 @@ def test_join_with_no_sync_and_with_a_comm_hook_matches_torch_and_low_precision_
 
 def test_scripts_moved_from_torch_train_as_under_torchs_ddp(results):
     assert results["scripts_moved_from_torch"] == [{"keys": True}] * 2
+
+
+def test_torch_compile_of_the_wrapper_matches_torchs_ddp(results):
+    assert results["compiled_wrapper"] == [{"iterations": 3}] * 2
+
+
+def test_torchs_optimizer_in_backward_steps_on_averaged_gradients_as_under_torchs_ddp(results):
+    assert results["optimizer_in_backward"] == [{"iterations": 3}] * 2
 
 
 def test_a_new_memory_format_and_an_optimizer_in_backward_raise_where_torch_drifts(results):

@@ -36,6 +36,7 @@ from distune.worker_runtime.join import DistributedDataParallelJoinHook, forward
 from distune.worker_runtime.leader_client import LeaderClient, check_model_name
 from distune.worker_runtime.model_names import NAMES_IN_USE, tuning_name
 from distune.worker_runtime.module_state import BufferBroadcast, broadcast_module_state
+from distune.worker_runtime.optimizer_in_backward import InBackwardOptimizers
 from distune.worker_runtime.reducer import Reducer
 from distune.worker_runtime.starting_group import StartingGroup
 from distune.worker_runtime.sync import SyncPoints
@@ -51,7 +52,8 @@ class UnsupportedModuleError(DistuneError, ValueError):
     """A module, or a use of it, that torch's DDP accepts but distune cannot average as torch
     does (sparse embeddings, a DDP wrapper nested inside, ``join()`` under a model-averaging
     algorithm or with ``divide_by_initial_world_size=False``, ZeroRedundancyOptimizer's
-    overlap hooks); the message names it and the way out."""
+    overlap hooks, a ``grad_dtype`` other than the parameter's, SyncBatchNorm on CPU); the
+    message names it and the way out."""
 
 
 #: The module of torch's comm hooks that overlap ZeroRedundancyOptimizer with torch's reducer.
@@ -127,6 +129,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         #: The algorithm keeping the ranks' models in step.
         self.algorithm = algorithm = _checked_algorithm(algorithm)
         arguments = TorchDDPArguments.bind(module, args, kwargs, [p for _, p in named], bucket_size)
+        _refuse_cpu_sync_batch_norm(module, arguments.device)
         self.module = module
         self.name = name
         #: torch's group the gradients are averaged over (``None`` only in a copy loaded
@@ -137,6 +140,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._set_torch_attributes(arguments, ignored)
         #: torch DDP's flag: False inside :meth:`no_sync`.
         self.require_backward_grad_sync = True
+        # Whether the first forward looked for torch's in-backward optimizers.
+        self._in_backward_checked = False
         #: torch DDP's flag: whether the last forward averaged (the next one then broadcasts
         #: buffers); True before the first.
         self.require_forward_param_sync = True
@@ -399,6 +404,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         reducer = self._runtime() if grad_enabled else None
         if reducer is not None:
             reducer.check_module(self.module)
+            if not self._in_backward_checked:
+                self._take_over_in_backward_optimizers(reducer)
             if self._averager is not None:
                 self._averager.before_forward()
         self._sync_buffers(grad_enabled)
@@ -411,6 +418,16 @@ class DistributedDataParallel(nn.Module, Joinable):
         if reducer is not None and averages:
             reducer.watch(output)
         return output
+
+    def _take_over_in_backward_optimizers(self, reducer: Reducer) -> None:
+        """As torch's DDP, at the first forward: the optimizers torch's
+        ``_apply_optimizer_in_backward`` gave the parameters by then step once their gradients
+        are averaged (:mod:`.optimizer_in_backward`). Not under a model-averaging algorithm,
+        which keeps gradients local: torch's hooks then stay."""
+        self._in_backward_checked = True
+        if self._averager is None:
+            in_backward = InBackwardOptimizers.take_over(reducer.params)
+            reducer.after_reduction = None if in_backward is None else in_backward.step
 
     def _sync_buffers(self, grad_enabled: bool) -> None:
         """Broadcast the buffers from rank 0 before a forward, by torch's rule: when the
@@ -502,6 +519,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         state.setdefault("parameters_to_ignore", set())
         state.setdefault("require_forward_param_sync", True)
         super().__setstate__(state)
+        self._in_backward_checked = False  # the copy's own reducer looks at its first forward
         self.process_group = None
         self._reducer = self._sync = self._name_claim = None
         self._buffer_broadcast = self._averager = None
@@ -566,6 +584,7 @@ def _trainable(module: nn.Module, ignored: frozenset[str]) -> list[tuple[str, nn
         )
     _refuse_sparse(module, ignored)
     _refuse_nested(module)
+    _refuse_grad_dtype(named)
     if not named:
         raise ValueError(
             "the module has no parameter that requires a gradient: there is nothing to "
@@ -582,6 +601,31 @@ def _refuse_nested(module: nn.Module) -> None:
                 f"{where} is already a {type(sub).__module__}.{type(sub).__name__}: nested "
                 "wrappers would average its gradients twice, racing each other. Wrap the bare "
                 "model once (the inner wrapper's .module)"
+            )
+
+
+def _refuse_cpu_sync_batch_norm(module: nn.Module, device: torch.device) -> None:
+    # torch's DDP refuses them at construction too; their forward would fail on CPU tensors.
+    if device.type == "cpu":
+        for prefix, sub in module.named_modules():
+            if isinstance(sub, nn.SyncBatchNorm):
+                raise UnsupportedModuleError(
+                    f"submodule {prefix!r} is a SyncBatchNorm, which works with GPU modules "
+                    "only (torch's DDP refuses it on CPU too): use nn.BatchNorm* on CPU, with "
+                    "buffers broadcast from rank 0 as torch's DDP does"
+                )
+
+
+def _refuse_grad_dtype(named: list[tuple[str, nn.Parameter]]) -> None:
+    # torch 2.13's Tensor.grad_dtype: a gradient of another dtype than its parameter's.
+    for name, param in named:
+        grad_dtype = getattr(param, "grad_dtype", param.dtype)
+        if grad_dtype is not None and grad_dtype != param.dtype:
+            raise UnsupportedModuleError(
+                f"parameter {name!r} has grad_dtype={grad_dtype}, not its own dtype "
+                f"{param.dtype}: distune's buckets hold each gradient in its parameter's dtype "
+                "(torch's DDP refuses it too). Leave grad_dtype at the parameter's dtype, or "
+                "keep the parameters in the wider dtype and run the forward under torch.autocast"
             )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -226,11 +227,19 @@ class Reducer:
         # was reported; the nodes of outputs the running backward reached before any parameter.
         self._unreached = 0
         self._reported_unreached = False
+        # Whether a forward with gradients ran through the wrapper since the last averaged
+        # backward; a parameter's gradient seen without one is logged once (_note_local).
+        self._forwarded = False
+        self._reported_local = False
+        self._local_check: int | None = None  # the parameter _report_local looks at
         self._reached_nodes: list[Any] = []
         #: Synchronised backward passes completed: the iteration count sync points refer to.
         self.iterations = 0
         #: Runs after each synchronised backward, outside the lock (see :data:`IterationHook`).
         self.on_iteration: IterationHook | None = None
+        #: Runs once the gradients of a synchronised backward are averaged, before it returns
+        #: (torch's in-backward optimizers: :mod:`.optimizer_in_backward`).
+        self.after_reduction: Callable[[], None] | None = None
         self._flat = _FlatAllreduce(process_group)
         self._hierarchical = (
             _HierarchicalAllreduce(process_groups, self._params[0].device)
@@ -293,7 +302,9 @@ class Reducer:
                 for k, i in enumerate(members):
                     self._slots[i] = Slot(b, k)
                     view = self._views[i] = self._buckets[b].views[k]
-                    self._offsets[i] = view.data_ptr() - self._buckets[b].flat.data_ptr()
+                    # -1: an empty view has no address of its own (data_ptr() is 0).
+                    flat = self._buckets[b].flat
+                    self._offsets[i] = view.data_ptr() - flat.data_ptr() if view.numel() else -1
                     param = self._params[i]
                     if param.grad is not None:
                         view.copy_(param.grad)
@@ -370,8 +381,10 @@ class Reducer:
         """
         with self._lock:
             self._check_idle("start a forward")
+            _refuse_compiled_autograd()
             if sync:
                 self.armed = True
+            self._forwarded = True
             self._spares = []
             self._reached_nodes = []  # whatever backward reached them is over
 
@@ -437,6 +450,7 @@ class Reducer:
     def _grad_ready(self, index: int) -> None:
         with self._lock:
             if not self.armed:
+                self._note_local(index)
                 return  # no_sync, or a backward this wrapper's forward did not arm
             if not self._active:
                 self._begin_backward()
@@ -458,6 +472,34 @@ class Reducer:
                 )
             self._into_bucket(index)
             self._mark_ready(index)
+
+    def _note_local(self, index: int) -> None:
+        """A gradient this wrapper leaves local. With no forward through the wrapper since the
+        last averaged backward, it came from a backward through ``model.module`` (or a loss
+        of the inner module's own methods): logged once, at the end of that backward, unless
+        another wrapper of the parameter averages it (re-wrapping leaves the old one inert)."""
+        if not (self._forwarded or self._reported_local or self._local_check is not None):
+            self._local_check = index
+            torch.autograd.Variable._execution_engine.queue_callback(self._report_local)
+
+    def _report_local(self) -> None:
+        index, self._local_check = self._local_check, None
+        assert index is not None
+        grad = self._params[index].grad
+        owner = None if grad is None or grad._base is None else getattr(grad._base, _OWNER, None)
+        other = None if owner is None else owner()
+        if self._forwarded or self._reported_local or (other is not None and other is not self):
+            return
+        self._reported_local = True
+        logger.warning(
+            "a backward reached parameter %r without a forward through its "
+            "DistributedDataParallel since the last averaged backward (a backward through "
+            "model.module, or a loss computed by the inner module's own methods): its "
+            "gradients stay local to this rank, as with torch's DDP, and an optimizer step "
+            "on them makes the ranks' models drift apart. If this is a training step, run its "
+            "forward through the wrapper: model(x). (Logged once.)",
+            self._names[index],
+        )
 
     def _raise_grad_taken(self, index: int, when: str) -> NoReturn:
         """``.grad`` was cleared or replaced during backward by a hook that ran ``when``
@@ -482,9 +524,9 @@ class Reducer:
         """
         view, slot, param = self._views[index], self._slots[index], self._params[index]
         dtype, device = self._keys[index]
-        flat = self._buckets[slot.bucket].flat
+        flat, offset = self._buckets[slot.bucket].flat, self._offsets[index]
         if (
-            view.data_ptr() == flat.data_ptr() + self._offsets[index]
+            (offset < 0 or view.data_ptr() == flat.data_ptr() + offset)
             and param.dtype is dtype
             and param.device == device
         ):
@@ -595,8 +637,10 @@ class Reducer:
             finally:
                 ready_order = self._ready_order
                 self._reset_backward_state()
-                self.armed = False
+                self.armed = self._forwarded = False
             self.iterations += 1
+            if self.after_reduction is not None:
+                self.after_reduction()
         self._report_unreached()
         self._after_iteration(ready_order)
 
@@ -703,6 +747,26 @@ class Reducer:
             self._strategy.finish(handles)
             self.iterations += 1
         self._after_iteration([])
+
+
+def _refuse_compiled_autograd() -> None:
+    """Raise if compiled autograd is on (it would fail inside dynamo at the backward).
+
+    Run eagerly even under ``torch.compile`` of the wrapper: dynamo does not trace the lock
+    around it. Looked up, not imported: a job that never compiles never loads torch._dynamo
+    (seconds of import)."""
+    compiled = sys.modules.get("torch._dynamo.compiled_autograd")
+    config = sys.modules.get("torch._dynamo.config")
+    if getattr(compiled, "compiled_autograd_enabled", False) or getattr(
+        config, "compiled_autograd", False
+    ):
+        raise ReductionError(
+            "compiled autograd is on: it traces backward into a graph, and distune's reducer "
+            "averages from Python hooks and an end-of-backward callback it cannot trace "
+            "(torch's C++ DDP reducer is refused by it too). Turn compiled autograd off "
+            "(torch._dynamo.config.compiled_autograd = False): torch.compile of the model "
+            "works with distune's wrapper"
+        )
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

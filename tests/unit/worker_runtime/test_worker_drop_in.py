@@ -470,6 +470,23 @@ def test_converting_the_model_after_wrapping_is_an_error_not_local_gradients(wor
         model(torch.randn(3, 16).half()).sum().backward()
 
 
+def test_buckets_moved_whole_and_empty_parameters_are_no_conversion(world):
+    # share_memory() moves each bucket's storage with all its views; an empty parameter's
+    # view has no address of its own. Neither leaves a gradient out of its bucket.
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: initializing an empty tensor
+        module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 0), nn.Linear(0, 2))
+    model = distune.DistributedDataParallel(module)
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    model.share_memory()
+    model.zero_grad(set_to_none=False)
+    model(x).sum().backward()
+    reducer = model._reducer
+    assert all(p.grad is v for p, v in zip(reducer._params, reducer._views, strict=True))
+
+
 @pytest.mark.parametrize("set_to_none", [False, True])
 def test_a_new_memory_format_after_wrapping_is_an_error_not_local_gradients(world, set_to_none):
     # Same dtype and device: only the .grad's memory moved out of its bucket, so autograd's
@@ -644,3 +661,79 @@ def test_zero_overlap_hooks_are_refused_at_registration(world, monkeypatch):
         hook = make(allreduce_hook, model, zero)
         with pytest.raises(UnsupportedModuleError, match="without overlap_with_ddp"):
             model.register_comm_hook(None, hook)
+
+
+def test_training_through_model_module_is_logged_once(world, caplog):
+    # Gradients of a backward through .module stay local, as with torch's DDP; a script that
+    # trains through it (a loss method of the inner module) gets one warning saying so.
+    module = mlp()
+    model = distune.DistributedDataParallel(module)
+    old = distune.DistributedDataParallel(mlp())
+    rewrapped = distune.DistributedDataParallel(old.module)  # the old wrapper goes inert
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            with model.no_sync():
+                step(model)
+            step(model)
+            step(rewrapped)
+        assert not caplog.records, "no_sync and a second wrapper's backward are no news"
+        for _ in range(3):
+            step(module)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and "parameter '3.bias' without a forward" in messages[0]
+    assert "model(x)" in messages[0] and model._reducer.iterations == 2
+
+
+@pytest.mark.skipif(not hasattr(torch.Tensor, "grad_dtype"), reason="torch < 2.13")
+def test_a_grad_dtype_other_than_the_parameters_is_refused_at_construction(world):
+    # torch's DDP refuses it at the first backward ("Expected BFloat16, got Float"); distune
+    # failed there too, with torch's advice to change grad_dtype.
+    module = mlp().to(torch.bfloat16)
+    module[0].weight.grad_dtype = torch.float32
+    with pytest.raises(UnsupportedModuleError, match=r"'0\.weight' has grad_dtype=torch\.float32"):
+        distune.DistributedDataParallel(module)
+    module[0].weight.grad_dtype = None  # any dtype: autograd's own is the parameter's
+    step(distune.DistributedDataParallel(module.float()))
+
+
+@pytest.mark.parametrize("algorithm", [None, "Decentralized"])
+def test_torchs_in_backward_optimizers_step_once_per_backward(world, algorithm):
+    # Taken over (stepped after the reduction) with gradient averaging; left to torch's own
+    # hooks under a model-averaging algorithm, whose gradients stay local anyway.
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    from distune.algorithms import Decentralized
+
+    module = mlp()
+    _apply_optimizer_in_backward(torch.optim.SGD, module.parameters(), {"lr": 0.1})
+    chosen = Decentralized() if algorithm else None
+    model = distune.DistributedDataParallel(module, algorithm=chosen)
+    before = [p.detach().clone() for p in module.parameters()]
+    step(model)
+    assert all(p.grad is None for p in module.parameters())
+    assert all(not torch.equal(a, p) for a, p in zip(before, module.parameters(), strict=True))
+    assert (model._reducer.after_reduction is None) == bool(algorithm)
+    model.finish()
+
+
+def test_sync_batch_norm_on_cpu_is_refused_at_construction_as_torch_refuses_it(world):
+    module = nn.SyncBatchNorm.convert_sync_batchnorm(mlp())
+    with pytest.raises(ValueError, match="only work with GPU modules"):
+        TorchDDP(module)
+    with pytest.raises(UnsupportedModuleError, match=r"submodule '1' is a SyncBatchNorm"):
+        distune.DistributedDataParallel(module)
+
+
+def test_compiled_autograd_is_refused_at_the_forward(world, monkeypatch):
+    # Before, the backward failed inside dynamo ("queue_callback() is only supported when
+    # Compiled Autograd is enabled with fullgraph=True"); torch's DDP refuses it too.
+    import torch._dynamo
+
+    model = distune.DistributedDataParallel(mlp())
+    step(model)
+    compiling = torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager"))
+    with compiling, pytest.raises(ReductionError, match="compiled autograd is on"):
+        step(model)
+    monkeypatch.setattr(torch._dynamo.config, "compiled_autograd", True)
+    with pytest.raises(ReductionError, match="compiled_autograd = False"):
+        step(model)
