@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import socket
 import tempfile
 import time
@@ -175,8 +176,9 @@ def mapped_flags_failed(results: list[TrialResult], pins: TrialPins) -> str | No
 
 
 def command_without_tuning(argv: list[str], args: argparse.Namespace, best: Path) -> list[str]:
-    """The launcher command that runs ``best`` with tuning off: the job's own torchrun flags,
-    ``--autotune_level 0 --autotune_config best``, then the script and its arguments."""
+    """The launcher command that runs ``best`` with tuning off: ``--autotune_level 0
+    --autotune_config best``, the job's own torchrun flags (first, so that a ``--`` before the
+    script stays there), then the script and its arguments."""
     script_at = len(argv) - len(args.training_script_args) - 1
     launcher, rest = argv[:script_at], argv[script_at:]
     switches = {f"__{dest}" for dest, flag in flags() if flag.kind != "value"}
@@ -191,7 +193,7 @@ def command_without_tuning(argv: list[str], args: argparse.Namespace, best: Path
             skip = "=" not in arg and name not in switches
         else:
             kept.append(arg)
-    return ["distune-run", *kept, "--autotune_level", "0", "--autotune_config", str(best), *rest]
+    return ["distune-run", "--autotune_level", "0", "--autotune_config", str(best), *kept, *rest]
 
 
 def free_port() -> int:
@@ -546,7 +548,7 @@ class Level2:
             config["arg_mappings"] = dict(self.pins.arg_mappings)
         best_file.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         command = command_without_tuning(self.argv, self.args, best_file)
-        (self.results_dir / "best_command.txt").write_text(" ".join(command) + "\n")
+        (self.results_dir / "best_command.txt").write_text(shlex.join(command) + "\n")
         settings = settings_for(as_measured, self.pins, self.options.autotune_device_memory)
         script_args = rewrite_script_args(
             list(self.args.training_script_args),

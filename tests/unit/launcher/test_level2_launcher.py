@@ -93,16 +93,40 @@ def test_the_best_command_keeps_torchrun_flags_and_turns_tuning_off() -> None:
     command = command_without_tuning(argv, args, Path("/r/best_config.json"))
     assert command == [
         "distune-run",
-        "--nproc_per_node",
-        "2",
         "--autotune_level",
         "0",
         "--autotune_config",
         "/r/best_config.json",
+        "--nproc_per_node",
+        "2",
         "train.py",
         "--autotune_level",
         "7",
     ]
+
+
+@pytest.mark.parametrize(
+    "launcher",
+    [
+        ["--nproc_per_node", "2", "--autotune_level", "2", "--"],  # the script after a --
+        ["--nproc_per_node", "2", "--autotune_level=2", "-m"],  # a module
+        ["--no-python", "--autotune-level", "2", "--autotune_config", "CONFIG"],
+    ],
+)
+def test_the_best_command_runs_the_same_script_with_tuning_off(launcher, tmp_path) -> None:
+    best = tmp_path / "best config.json"
+    best.write_text("{}")
+    launcher = [str(best) if arg == "CONFIG" else arg for arg in launcher]
+    argv = [*launcher, "train.py", "--message", "two words", "--autotune_level", "1"]
+    args, _ = parse(argv)
+    command = command_without_tuning(argv, args, best)
+    again, options = parse(command[1:])
+    assert (again.training_script, again.training_script_args) == (
+        args.training_script,
+        args.training_script_args,
+    )
+    assert (again.module, again.no_python) == (args.module, args.no_python)
+    assert (options.autotune_level, again.autotune_config) == (0, str(best))
 
 
 def test_level2_flags_and_config_keys(tmp_path: Path) -> None:
