@@ -252,6 +252,29 @@ def trial_world(args: argparse.Namespace) -> tuple[int, int]:
     return 1, local
 
 
+def earlier_results(directory: Path) -> list[TrialResult]:
+    """The trials recorded in ``directory``'s ``trials.jsonl`` (``--autotune_resume``);
+    OptionError naming a line that holds no trial record (a file edited or cut short)."""
+    path = directory / "trials.jsonl"
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise OptionError(f"--autotune_resume: cannot read {path}: {error}") from None
+    results = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            results.append(TrialResult.from_json(json.loads(line)))
+        except (ValueError, KeyError, TypeError, AttributeError, TrialConfigError) as error:
+            raise OptionError(
+                f"--autotune_resume: {path} line {number} is not a trial record "
+                f"({type(error).__name__}: {error}); resume from an intact trials.jsonl or start "
+                "afresh"
+            ) from None
+    return results
+
+
 def check_batch_pins(pins: TrialPins, world_size: int, allow_batch_change: bool) -> None:
     """Refuse now (OptionError) pinned batch values that no trial can keep on ``world_size``
     ranks, where the pins alone fix the global batch (otherwise the profile trial tells it);
@@ -324,8 +347,7 @@ class Level2:
     def _earlier_results(self) -> list[TrialResult]:
         if self.options.autotune_resume is None:
             return []
-        lines = (self.options.autotune_resume / "trials.jsonl").read_text().splitlines()
-        return [TrialResult.from_json(json.loads(line)) for line in lines if line.strip()]
+        return earlier_results(self.options.autotune_resume)
 
     def _say(self, text: str) -> None:
         if not self.options.autotune_quiet:

@@ -21,7 +21,13 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from distune.errors import ServiceError
-from distune.launcher.level2 import Level2, check_batch_pins, pinned_run, trial_world
+from distune.launcher.level2 import (
+    Level2,
+    check_batch_pins,
+    earlier_results,
+    pinned_run,
+    trial_world,
+)
 from distune.launcher.options import AutotuneOptions, OptionError, parse, trial_pins
 from distune.launcher.plan import LaunchPlan, plan_launch, plan_trials, restart_caveat
 from distune.launcher.progress import ProgressMonitor
@@ -119,8 +125,10 @@ def _plan(argv: list[str]) -> tuple[Any, AutotuneOptions, LaunchPlan] | int:
 def _check_resume(
     args: Any, options: AutotuneOptions, pins: TrialPins, world: tuple[int, int]
 ) -> None:
-    """Refuse to resume the trials of another job (OptionError)."""
+    """Refuse to resume a directory whose trials cannot be read, or are of another job
+    (OptionError)."""
     assert options.autotune_resume is not None
+    earlier_results(options.autotune_resume)  # every line a trial record
     job = TunedJob.of(args, pins, options.autotune_device_memory, world)
     try:
         checked = job.check_resume(options.autotune_resume)

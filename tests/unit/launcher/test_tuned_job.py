@@ -81,3 +81,24 @@ def test_a_results_directory_from_before_job_json_cannot_be_checked(tmp_path):
     results = earlier_run(tmp_path, ["train.py"])
     (results / JOB_FILE).unlink()
     assert resume(results, ["other.py"]) is False
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        ('{"trial": 1, "config": {"train_micro_batch_size_per_gpu": 8}', "JSONDecodeError"),
+        ('{"trial": 1, "outcome": "ok"}', "KeyError: 'config'"),
+        ('{"trial": 1, "config": {"train_micro_batch_size_per_gpu": 2}}', "TrialConfigError"),
+    ],
+)
+def test_a_results_directory_with_a_broken_trial_line_exits_2_naming_it(
+    tmp_path, line, why, capsys
+):
+    results = earlier_run(tmp_path, ["train.py"])
+    (results / "trials.jsonl").write_text(line + "\n")
+    assert main(["--autotune_level", "2", "--autotune_resume", str(results), "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"distune-run: error: --autotune_resume: {results / 'trials.jsonl'} line 1 is not a "
+        f"trial record ({why}"
+    )
