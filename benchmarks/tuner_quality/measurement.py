@@ -18,6 +18,12 @@ noise:
 - rare outlier windows: with ``stall_rate`` a stall (data loader, checkpoint) slows a window by
   a factor drawn from ``stall_slowdown``; with ``lucky_rate`` a window reads ``lucky_speedup``
   too fast (a timer straddling a pause).
+
+The noise is seeded by the landscape's name and the seed together: two landscapes' runs with the
+same seed draw independent noise. Seeded by the seed alone, every landscape's seed-k run would
+share one sequence of draws (common random numbers), so one lucky draw (a default's first
+sample read high) would fail the k-th run of every landscape at once, and a draw's percentiles
+would rest on far fewer independent runs than they count.
 """
 
 from __future__ import annotations
@@ -56,12 +62,15 @@ class NoiseModel:
 
 
 class SimulatedJob:
-    """A training job on ``landscape`` that reports windows of whatever group it runs."""
+    """A training job on ``landscape`` that reports windows of whatever group it runs; its noise
+    is drawn from ``seed`` and the landscape's name together (see the module's docstring)."""
 
     def __init__(self, landscape: Landscape, noise: NoiseModel, seed: int) -> None:
         self.landscape = landscape
         self.noise = noise
-        self._rng = random.Random(seed)
+        # A string seed is hashed (SHA-512) into the generator's state: reproducible across
+        # processes and Python runs, unlike hash() of a tuple.
+        self._rng = random.Random(f"{landscape.name}/{seed}")
         self._group: Hyperparameters | None = None
         self._period = 1.0
         self._schedule = WindowSchedule(noise.window_seconds)

@@ -9,9 +9,12 @@ returns what its test asserts.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
+import io
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,10 @@ import torch.distributed as dist
 from ddp_launch import run_job, worker_main
 from test_ddp_correctness import assert_grads_equal, assert_params_equal, batch, loss_of, make_model
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+    allreduce_hook,
+    fp16_compress_hook,
+)
 from torch.distributed.device_mesh import init_device_mesh
 
 import distune
@@ -40,12 +46,24 @@ def scenario(fn):
     return fn
 
 
-def train_both(ours: nn.Module, ref: nn.Module, what: str, steps: int = 3, **tol: Any) -> None:
+def plain_step(model: nn.Module, step: int) -> None:
+    loss_of(model, batch(step)).backward()
+
+
+def train_both(
+    ours: nn.Module,
+    ref: nn.Module,
+    what: str,
+    steps: int = 3,
+    step_of: Callable[[nn.Module, int], None] = plain_step,
+    **tol: Any,
+) -> None:
+    """Train both side by side, ``step_of(model, step)`` making each step's gradients."""
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, ref)]
     for step in range(steps):
         for model, optimizer in zip((ours, ref), optimizers, strict=True):
             optimizer.zero_grad()
-            loss_of(model, batch(step)).backward()
+            step_of(model, step)
         assert_grads_equal(ours, ref, f"{what}, step {step}", **tol)
         for optimizer in optimizers:
             optimizer.step()
@@ -431,6 +449,114 @@ def join_cases(out: Path) -> dict:
     return result
 
 
+# -- what training scripts moved over from torch's DDP do ------------------------------------
+
+
+def autocast_bf16(model: nn.Module, step: int) -> None:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = loss_of(model, batch(step))
+    loss.backward()
+
+
+def clipped(model: nn.Module, step: int) -> None:
+    (loss_of(model, batch(step)) * 100).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+
+
+def nested_no_sync_with_an_exception(model: nn.Module, step: int) -> None:
+    with model.no_sync():
+        with model.no_sync():
+            loss_of(model, batch(10 + step)).backward()
+        loss_of(model, batch(20 + step)).backward()  # still local: the outer context
+    with contextlib.suppress(KeyError), model.no_sync():
+        loss_of(model, batch(30 + step)).backward()
+        raise KeyError(step)
+    loss_of(model, batch(step)).backward()
+
+
+def two_forwards_one_backward(model: nn.Module, step: int) -> None:
+    (loss_of(model, batch(step)) + model(batch(40 + step)).sum()).backward()
+
+
+def last_layer_only(model: nn.Module, step: int) -> None:
+    loss = loss_of(model, batch(step))
+    if isinstance(model, distune.DistributedDataParallel):
+        loss.backward(inputs=list(model.module[4].parameters()))
+    else:  # torch's DDP leaves backward(inputs=...) local, then raises: its reference is
+        loss.backward()  # a model whose other layers are frozen
+
+
+@scenario
+def scripts_moved_from_torch(out: Path) -> dict:
+    """Training steps of scripts written for torch's DDP, against torch's DDP: autocast, clipping,
+    nested ``no_sync`` left by an exception, two forwards into one backward,
+    ``backward(inputs=...)``, torch's comm hooks registered after training started, and a
+    checkpoint of torch's DDP loaded into distune's."""
+    for step_of in (autocast_bf16, clipped, nested_no_sync_with_an_exception,
+                    two_forwards_one_backward):  # fmt: skip
+        ours = distune.DistributedDataParallel(make_model())
+        train_both(ours, TorchDDP(make_model()), step_of.__name__, step_of=step_of)
+    frozen = make_model()
+    frozen[:4].requires_grad_(False)
+    ours = distune.DistributedDataParallel(make_model())
+    train_both(ours, TorchDDP(frozen), "backward(inputs=...)", step_of=last_layer_only)
+    for hook in (allreduce_hook, fp16_compress_hook):
+        ours, ref = distune.DistributedDataParallel(make_model()), TorchDDP(make_model())
+        train_both(ours, ref, f"before {hook.__name__}", steps=1)
+        for model in (ours, ref):
+            model.register_comm_hook(None, hook)
+        train_both(ours, ref, hook.__name__, steps=2, atol=1e-3, rtol=1e-3)
+    ref = TorchDDP(make_model())
+    train_both(distune.DistributedDataParallel(make_model()), ref, "before the checkpoint")
+    buffer = io.BytesIO()
+    torch.save(ref.state_dict(), buffer)
+    buffer.seek(0)
+    ours = distune.DistributedDataParallel(make_model(seed=5))
+    ours.load_state_dict(torch.load(buffer))
+    train_both(ours, ref, "from torch's checkpoint")
+    return {"keys": list(ours.state_dict()) == list(ref.state_dict())}
+
+
+def channels_last() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(64, 2))
+
+
+@scenario
+def changes_during_training_raise(out: Path) -> dict:
+    """What would leave gradients local without an error: a memory format changed after
+    wrapping (torch's DDP copies gradients in and out of its buckets and keeps averaging), and
+    an optimizer step in a post-accumulate-grad hook (torch's DDP lets the ranks drift)."""
+    x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(dist.get_rank()))
+    errors = []
+    model = distune.DistributedDataParallel(channels_last())
+    model(x).sum().backward()
+    model.to(memory_format=torch.channels_last)
+    try:
+        model(x).sum().backward()
+    except ReductionError as error:
+        errors.append(str(error))
+    for model in (distune.DistributedDataParallel(make_model()), TorchDDP(make_model())):
+        optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+
+        def step_now(param: torch.Tensor, optimizers: dict = optimizers) -> None:
+            optimizers[param].step()
+            optimizers[param].zero_grad()
+
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(step_now)
+        try:
+            loss_of(model, batch(0)).backward()
+        except ReductionError as error:
+            errors.append(str(error))
+    weight = model.module[0].weight.detach().clone()  # torch's
+    dist.all_reduce(weight)
+    return {
+        "errors": errors,
+        "torch drifted": not torch.allclose(weight / 2, model.module[0].weight),
+    }
+
+
 @scenario
 def cases(out: Path) -> dict:
     newer = {"buffer_sync_rules", "device_mesh_delayed_and_skipped"}
@@ -504,6 +630,18 @@ def test_join_with_no_sync_and_with_a_comm_hook_matches_torch_and_low_precision_
     assert low[0]["iterations"] == low[1]["iterations"] == 4
     assert low[0]["first"] == low[1]["first"], "the last joiner's parameters reach every rank"
     assert [(r["early ours"], r["early torch"]) for r in low] == [(2, 2), (2, 2)]
+
+
+def test_scripts_moved_from_torch_train_as_under_torchs_ddp(results):
+    assert results["scripts_moved_from_torch"] == [{"keys": True}] * 2
+
+
+def test_a_new_memory_format_and_an_optimizer_in_backward_raise_where_torch_drifts(results):
+    for rank in results["changes_during_training_raise"]:
+        converted, stepped = rank["errors"]
+        assert "'0.weight' has a new memory layout" in converted
+        assert "hook that ran after distune's" in stepped
+        assert rank["torch drifted"]
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from benchmarks.tuner_quality.compare import (
     summary_table,
 )
 from benchmarks.tuner_quality.landscapes import Landscape, hump_landscape, oracle_tables
-from benchmarks.tuner_quality.measurement import NoiseModel
+from benchmarks.tuner_quality.measurement import NoiseModel, SimulatedJob
 from benchmarks.tuner_quality.random_clusters import (
     HELD_OUT_SEED,
     TRAINING_SEED,
@@ -87,6 +87,21 @@ def test_every_tuner_keeps_a_group_of_the_space_at_every_budget() -> None:
         # With 40 samples every tuner has measured the 18 groups or searched the whole range.
         assert run.fraction_at(40) >= 0.9
     assert "| grid |" in summary_table(runs, [5, 40])
+
+
+def test_each_landscape_draws_its_own_noise_for_a_seed() -> None:
+    """Two landscapes of the same throughputs run with the same seed draw different noise
+    (no common random numbers across a draw's landscapes); one landscape and seed repeat."""
+    landscape = _landscape()
+    twin = dataclasses.replace(landscape, name="twin")
+    hp = landscape.space.default
+
+    def rates(ls: Landscape, seed: int) -> list[float]:
+        return SimulatedJob(ls, NoiseModel(), seed).measure(hp, 5.0, 3)
+
+    assert rates(landscape, 3) == rates(landscape, 3)
+    assert rates(landscape, 3) != rates(twin, 3)
+    assert rates(landscape, 3) != rates(landscape, 4)
 
 
 def test_budget_to_good_is_the_budget_from_which_the_curve_stays_within_2_percent() -> None:

@@ -50,9 +50,12 @@ logger = logging.getLogger(__name__)
 class UnsupportedModuleError(DistuneError, ValueError):
     """A module, or a use of it, that torch's DDP accepts but distune cannot average as torch
     does (sparse embeddings, a DDP wrapper nested inside, ``join()`` under a model-averaging
-    algorithm or with ``divide_by_initial_world_size=False``); the message names it and the
-    way out."""
+    algorithm or with ``divide_by_initial_world_size=False``, ZeroRedundancyOptimizer's
+    overlap hooks); the message names it and the way out."""
 
+
+#: The module of torch's comm hooks that overlap ZeroRedundancyOptimizer with torch's reducer.
+_ZERO_OVERLAP_HOOKS = "torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook"
 
 #: What is not pickled (process groups, hooks, threads): rebuilt by ``__setstate__``.
 _RUNTIME = (
@@ -86,8 +89,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             ``device_mesh``, ``skip_all_reduce_unused_params``, ``batched_grad_copy``,
             ``forward_sync_buffers``): see :mod:`.torch_ddp_arguments` for what each does here
             and which are refused (``mixed_precision``, ``bucket_cap_mb_list``).
-        name: the model's name for the tuning service (1-64 of ``[A-Za-z0-9._-]``); give each
-            wrapped model of a job its own.
+        name: the model's name for the tuning service (1-64 of ``[A-Za-z0-9._-]``). Models
+            given no name (or the default ``model0``) are tuned as ``model0``, ``model1``, ...
+            in construction order; a name given to two live models is an error.
         bucket_size: pin the bucket size (bytes, rounded to a power of two); not tuned.
         hierarchical: pin hierarchical allreduce on or off; not tuned.
         algorithm: how the ranks' models are kept in step (:mod:`distune.algorithms`); default
@@ -263,6 +267,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     ) -> None:
         assert self._reducer is not None
         process_group = self._process_group()
+        self.name = NAMES_IN_USE.name_for(self.name, self._reducer.params, process_group)
         session = tuning_name(self.name, process_group)
         client = None
         if self.topology.rank == 0:
@@ -358,6 +363,14 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
+        if getattr(hook, "__module__", None) == _ZERO_OVERLAP_HOOKS:
+            raise UnsupportedModuleError(
+                "ZeroRedundancyOptimizer(overlap_with_ddp=True)'s hooks (hook_with_zero_step, "
+                "hook_with_zero_step_interleaved) step the optimizer inside torch's DDP reducer "
+                "and read its bucket rebuilds, which distune's wrapper has not got: use "
+                "ZeroRedundancyOptimizer without overlap_with_ddp (it steps after backward), "
+                "or torch's DistributedDataParallel"
+            )
         if self._sync is not None and not self._sync.stopped:
             logger.info("register_comm_hook: model %r stops tuning", self.name)
             self._sync.stop()

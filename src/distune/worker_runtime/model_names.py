@@ -2,9 +2,13 @@
 
 The service keeps one tuning session per name. Two sessions must never be fed by one name:
 
-* Two wrappers of one process with the same name (the default ``model0`` given twice) would
-  register twice with different facts; the service refuses the second (409). The name is
-  checked here first, at construction, with a message that says what to do.
+* Two wrappers of one process with the same name would register twice with different facts;
+  the service refuses the second (409). The name is checked here first, at construction, with
+  a message that says what to do. The default name is the exception: a script written for
+  torch's DDP that wraps two models (a GAN's generator and discriminator) names neither, so
+  the default ``model0`` moves on to the first free ``model1``, ``model2``, ... Every rank
+  constructs its wrappers in the same order (construction is collective), so every rank
+  numbers them alike.
 * With data-parallel subgroups (``process_group=`` a subgroup), each subgroup's rank 0 is a
   leader: each subgroup is its own job as far as tuning goes, so its session is named
   ``<name>.r<first global rank of the subgroup>`` (the whole job keeps ``<name>``).
@@ -16,13 +20,22 @@ torch DDP goes inert, and the name passes to the new one.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from distune.errors import DistuneError
 from distune.space import MODEL_NAME_RULE, is_valid_model_name
+
+#: The name of a model that is given none; numbered on when it is taken (see the module doc).
+DEFAULT_NAME = "model0"
+
+
+class ModelNameError(DistuneError, ValueError):
+    """Two live models of one process were given the same name."""
 
 
 def tuning_name(name: str, process_group: dist.ProcessGroup) -> str:
@@ -55,21 +68,40 @@ class NameRegistry:
     def __init__(self) -> None:
         self._holders: weakref.WeakValueDictionary[str, _Holder] = weakref.WeakValueDictionary()
 
-    def claim(self, name: str, params: Sequence[torch.Tensor], stop: Callable[[], None]) -> _Holder:
-        """Claim ``name`` for a wrapper of ``params``; the caller keeps the returned claim
-        alive as long as the wrapper. ``stop`` ends the wrapper's tuning if a newer wrapper
-        of the same parameters takes the name over."""
-        previous = self._holders.get(name)
+    def name_for(
+        self, name: str, params: Sequence[torch.Tensor], process_group: dist.ProcessGroup
+    ) -> str:
+        """The name a new wrapper of ``params`` over ``process_group`` asked for ``name`` is
+        tuned under: ``name``, or for the default name the first ``model<k>`` free; one held
+        by an older wrapper of the same parameters is free (:meth:`claim` takes it over).
+        Raises :class:`ModelNameError` if another model holds a name that was given."""
+        ids = {id(p) for p in params}
+        numbered = name == DEFAULT_NAME
+        for number in itertools.count():
+            candidate = f"model{number}" if numbered else name
+            previous = self._holders.get(tuning_name(candidate, process_group))
+            if previous is None or not previous.param_ids.isdisjoint(ids):
+                return candidate
+            if not numbered:
+                break
+        raise ModelNameError(
+            f"two models are named {name!r} in this process: the tuning service keeps one "
+            "session per name, so give each DistributedDataParallel its own name= (e.g. "
+            "name='generator' and name='discriminator')"
+        )
+
+    def claim(
+        self, session: str, params: Sequence[torch.Tensor], stop: Callable[[], None]
+    ) -> _Holder:
+        """Claim ``session`` (a :func:`tuning_name` from :meth:`name_for`) for a wrapper of
+        ``params``; the caller keeps the returned claim alive as long as the wrapper. The
+        wrapper holding it before (one of the same parameters) stops tuning: ``stop`` is what
+        ends this wrapper's tuning when a newer wrapper takes the name over in turn."""
+        previous = self._holders.get(session)
         if previous is not None:
-            if previous.param_ids.isdisjoint(id(p) for p in params):
-                raise ValueError(
-                    f"two models are named {name!r} in this process: the tuning service keeps "
-                    "one session per name, so give each DistributedDataParallel its own "
-                    "name= (e.g. name='generator' and name='discriminator')"
-                )
             previous.stop()
         holder = _Holder(params, stop)
-        self._holders[name] = holder
+        self._holders[session] = holder
         return holder
 
 

@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -286,11 +286,14 @@ class Reducer:
         self._members = layout
         self._slots = [Slot(0, 0)] * len(self._params)
         self._views: list[torch.Tensor] = [torch.empty(0)] * len(self._params)
+        # Where each view starts in its bucket's memory (see _check_in_bucket).
+        self._offsets = [0] * len(self._params)
         with torch.no_grad():
             for b, members in enumerate(layout):
                 for k, i in enumerate(members):
                     self._slots[i] = Slot(b, k)
                     view = self._views[i] = self._buckets[b].views[k]
+                    self._offsets[i] = view.data_ptr() - self._buckets[b].flat.data_ptr()
                     param = self._params[i]
                     if param.grad is not None:
                         view.copy_(param.grad)
@@ -443,17 +446,12 @@ class Reducer:
                     "backward (a parameter used in several reentrant checkpoints is not "
                     "supported: use torch.utils.checkpoint with use_reentrant=False)"
                 )
-            grad = self._params[index].grad  # set: the hook runs after accumulation
-            if grad is self._views[index]:
-                # .half()/.to() after wrapping converts .grad in place through .data: still
-                # this view object, no longer the bucket's memory. (A .grad that is not the
-                # view is copied into the bucket, and assigning it back fails loudly.)
-                dtype, device = self._keys[index]
-                if grad.dtype is not dtype or grad.device != device:
-                    self._raise_converted(index)
-            elif grad is not None and grad._base is not None:
+            grad = self._params[index].grad
+            if grad is None:  # the hook runs after accumulation: another hook cleared it
+                self._raise_grad_taken(index, "before")
+            if grad is not self._views[index] and grad._base is not None:
                 self._check_not_shared(index, grad)  # a view: of another wrapper's bucket?
-            if grad is not None and grad.is_sparse:
+            if grad.is_sparse:
                 raise ReductionError(
                     f"parameter {self._names[index]!r} has a sparse gradient; distune averages "
                     "dense gradients only (use a dense embedding)"
@@ -461,13 +459,44 @@ class Reducer:
             self._into_bucket(index)
             self._mark_ready(index)
 
-    def _raise_converted(self, index: int) -> None:
-        param = self._params[index]
-        dtype, device = self._keys[index]
+    def _raise_grad_taken(self, index: int, when: str) -> NoReturn:
+        """``.grad`` was cleared or replaced during backward by a hook that ran ``when``
+        (before or after) the reducer's: that hook saw this rank's gradient, not the average."""
         raise ReductionError(
-            f"parameter {self._names[index]!r} is {param.dtype} on {param.device} but was "
-            f"{dtype} on {device} when it was wrapped (model.half() or .to() after wrapping): "
-            "convert the module first, then wrap it"
+            f"the .grad of parameter {self._names[index]!r} was cleared or replaced during "
+            f"backward by a hook that ran {when} distune's (an optimizer step in a "
+            "post-accumulate-grad hook, 'optimizer in backward'?): that code saw this rank's "
+            "gradient, not the average over the ranks (torch's DDP lets it, silently), and "
+            "the ranks' models drift apart. Step the optimizer after backward() returns"
+        )
+
+    def _check_in_bucket(self, index: int) -> None:
+        """Raise if the module was converted after wrapping (``model.half()``, ``.to(dtype,
+        device or memory_format=...)``): the parameter is no longer of its bucket's dtype and
+        device, or its view (``.grad``) no longer lies in its bucket's memory.
+
+        The conversion converts each ``.grad`` in place through ``.data``: still this view
+        object, now its own memory, so what autograd accumulates there (or what is copied
+        into it) would never be averaged. Compared with the bucket's address, not a stored
+        one, so a bucket moved as a whole (``share_memory_()``) stays valid.
+        """
+        view, slot, param = self._views[index], self._slots[index], self._params[index]
+        dtype, device = self._keys[index]
+        flat = self._buckets[slot.bucket].flat
+        if (
+            view.data_ptr() == flat.data_ptr() + self._offsets[index]
+            and param.dtype is dtype
+            and param.device == device
+        ):
+            return
+        now, was = f"{param.dtype} on {param.device}", f"{dtype} on {device}"
+        change = f"is {now} but was {was}" if now != was else "has a new memory layout"
+        raise ReductionError(
+            f"parameter {self._names[index]!r} {change}: the module was converted after "
+            "wrapping (model.half(), .to(dtype, device or memory_format=...)), and its gradient "
+            "bucket was built for the parameter as it was, so its gradients would not be "
+            "averaged. Convert the module first, then wrap it (torch's DDP documentation "
+            "states the same rule: never change the parameters after wrapping)"
         )
 
     def _check_not_shared(self, index: int, grad: torch.Tensor) -> None:
@@ -486,6 +515,7 @@ class Reducer:
 
     def _into_bucket(self, index: int) -> None:
         """Make ``.grad`` the bucket view, holding the gradient (zeros if it is ``None``)."""
+        self._check_in_bucket(index)
         param, view = self._params[index], self._views[index]
         grad = param.grad
         slot = self._slots[index]
@@ -603,12 +633,16 @@ class Reducer:
         # None), in an order every rank shares, so the last buckets launch everywhere.
         if not all(self._ready) or any(p.requires_grad for p in self._frozen):
             self._check_module_unchanged()
+        hooked = list(self._ready_order)
         for index in range(len(self._params)):
             if self._ready[index]:
                 continue
             self._into_bucket(index)
             self._mark_ready(index)
         self._strategy.finish(self._handles)
+        for index in hooked:
+            if self._params[index].grad is not self._views[index]:
+                self._raise_grad_taken(index, "after")
         for b, slots in self._absent.items():
             bucket = self._buckets[b]
             for k in slots:
@@ -635,9 +669,10 @@ class Reducer:
             raise ReductionError(
                 f"the module has trainable parameters it did not have when it was wrapped "
                 f"({', '.join(added[:5])}{', ...' if len(added) > 5 else ''}): a parameter or "
-                "submodule added or replaced (or a parameter unfrozen) after wrapping would "
-                "train without averaging. Wrap the module again: "
-                "distune.DistributedDataParallel(model.module)"
+                "submodule added or replaced (or a parameter unfrozen, or load_state_dict("
+                "..., assign=True), which replaces them) after wrapping would train without "
+                "averaging. Wrap the module again: distune.DistributedDataParallel(model.module)"
+                " (or load the state dict without assign=True, which copies into them)"
             )
 
     def _learn_order(self, ready_order: list[int]) -> None:

@@ -16,7 +16,7 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
-from test_worker_tuning import ScriptedService, group, train_until
+from test_worker_tuning import ScriptedService, group, train_until, wait_for
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
     allreduce_hook,
@@ -28,6 +28,7 @@ import distune
 from distune import Hyperparameters
 from distune.algorithms import AsyncModelAverage
 from distune.worker_runtime.distributed import UnsupportedModuleError
+from distune.worker_runtime.model_names import ModelNameError
 from distune.worker_runtime.reducer import ReductionError
 from distune.worker_runtime.torch_ddp_arguments import TorchDDPArguments, UnsupportedArgumentError
 
@@ -192,14 +193,29 @@ def test_a_dropped_wrapper_is_freed_at_once_and_closes_its_thread(tuning_world):
         assert not client.alive
 
 
-def test_two_models_with_one_name_are_refused_at_construction(tuning_world):
+def test_two_models_given_one_name_are_refused_at_construction(tuning_world):
     with ScriptedService() as service:
         tuning_world(service.url)
-        first = distune.DistributedDataParallel(nn.Linear(64, 8))
-        with pytest.raises(ValueError, match=r"two models are named 'model0'.*own name="):
-            distune.DistributedDataParallel(nn.Linear(64, 8))
+        first = distune.DistributedDataParallel(nn.Linear(64, 8), name="gan")
+        with pytest.raises(ModelNameError, match=r"two models are named 'gan'.*own name="):
+            distune.DistributedDataParallel(nn.Linear(64, 8), name="gan")
         second = distune.DistributedDataParallel(nn.Linear(64, 8), name="other")
         assert first._sync is not None and second._sync is not None
+
+
+def test_models_given_no_name_are_numbered_in_construction_order(tuning_world):
+    # A torch DDP script wrapping a generator and a discriminator names neither.
+    with ScriptedService() as service:
+        tuning_world(service.url)
+        generator = distune.DistributedDataParallel(nn.Linear(64, 8))
+        discriminator = distune.DistributedDataParallel(nn.Linear(8, 1))
+        assert (generator.name, discriminator.name) == ("model0", "model1")
+        rewrapped = distune.DistributedDataParallel(discriminator.module)  # takes model1 over
+        assert rewrapped.name == "model1" and discriminator._sync.stopped
+        wait_for(lambda: service.actions().count("register") == 3)
+        registered = [path for path, _, _ in service.requests if path.endswith("/register")]
+        assert sorted(registered) == [f"/api/v1/models/model{k}/register" for k in (0, 1, 1)]
+        assert not generator._sync.stopped and not rewrapped._sync.stopped
 
 
 def test_rewrapping_the_same_parameters_takes_the_name_over(tuning_world):
@@ -444,12 +460,28 @@ def test_rewrapping_after_training_with_kept_gradients_is_no_sharing(world):
     assert old._reducer.iterations == 1
 
 
-def test_converting_the_model_after_wrapping_is_an_error_not_local_gradients(world):
+@pytest.mark.parametrize("trained", [True, False])
+def test_converting_the_model_after_wrapping_is_an_error_not_local_gradients(world, trained):
     model = distune.DistributedDataParallel(mlp())
-    step(model)
+    if trained:
+        step(model)
     model.half()  # also converts each .grad in place, out of its bucket
     with pytest.raises(ReductionError, match=r"torch\.float16 on cpu but was torch\.float32"):
         model(torch.randn(3, 16).half()).sum().backward()
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_a_new_memory_format_after_wrapping_is_an_error_not_local_gradients(world, set_to_none):
+    # Same dtype and device: only the .grad's memory moved out of its bucket, so autograd's
+    # gradient (or the copy of a fresh one) would have stayed out of the allreduce.
+    torch.manual_seed(0)
+    model = distune.DistributedDataParallel(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten()))
+    x = torch.randn(2, 3, 5, 5)
+    model(x).sum().backward()
+    model.to(memory_format=torch.channels_last)
+    model.zero_grad(set_to_none=set_to_none)
+    with pytest.raises(ReductionError, match=r"'0\.weight' has a new memory layout.*wrap"):
+        model(x).sum().backward()
 
 
 def test_a_second_comm_hook_is_refused_as_torch_refuses_it(world):
@@ -548,3 +580,67 @@ def test_a_trainable_parameter_added_after_wrapping_is_an_error_at_the_next_forw
     model.module[3].scale.requires_grad_(True)
     with pytest.raises(ReductionError, match=r"\(3\.scale\)"):
         step(model)  # raised after the backward that could train it, as for frozen ones
+
+    # A checkpoint loaded with assign=True replaces every parameter (torch's DDP trains the new
+    # ones unaveraged: seen on 2 gloo ranks); loaded without, it copies into them.
+    model = distune.DistributedDataParallel(mlp())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
+    step(model)
+    model.load_state_dict(state, assign=True)
+    with pytest.raises(ReductionError, match=r"\(0\.weight, 0\.bias.*assign=True"):
+        step(model)
+
+
+@pytest.mark.parametrize("registered", ["before wrapping", "after wrapping"])
+def test_an_optimizer_step_in_a_post_accumulate_grad_hook_is_an_error(world, registered):
+    # torch's "optimizer in backward" recipe: each parameter steps (and clears .grad) as soon
+    # as its gradient is accumulated, before the ranks' average exists; torch's DDP lets it.
+    module = mlp()
+    optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in module.parameters()}
+
+    def step_now(param: torch.Tensor) -> None:
+        optimizers[param].step()
+        optimizers[param].zero_grad()
+
+    def register() -> None:
+        for p in module.parameters():
+            p.register_post_accumulate_grad_hook(step_now)
+
+    if registered == "before wrapping":
+        register()
+    model = distune.DistributedDataParallel(module)
+    if registered == "after wrapping":
+        register()
+    with pytest.raises(ReductionError, match=rf"hook that ran {registered.split()[0]} distune's"):
+        step(model)
+
+
+def test_a_hook_changing_grad_in_place_is_no_error(world):
+    module = mlp()
+    model = distune.DistributedDataParallel(module)
+
+    def clip(param: torch.Tensor) -> None:
+        param.grad.clamp_(-1, 1)
+
+    for p in module.parameters():
+        p.register_post_accumulate_grad_hook(clip)
+    step(model)
+    assert all(p.grad.abs().max() <= 1 for p in module.parameters())
+
+
+def test_zero_overlap_hooks_are_refused_at_registration(world, monkeypatch):
+    # They reach into torch's reducer (_has_rebuilt_buckets) at the first backward; torch
+    # refuses them on gloo itself, so the hook is made as under NCCL.
+    from torch.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = distune.DistributedDataParallel(mlp())
+    zero = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.SGD, lr=0.1, overlap_with_ddp=True
+    )
+    monkeypatch.setattr(ddp_zero_hook.dist, "get_backend", lambda group: "nccl")
+    for make in (ddp_zero_hook.hook_with_zero_step, ddp_zero_hook.hook_with_zero_step_interleaved):
+        hook = make(allreduce_hook, model, zero)
+        with pytest.raises(UnsupportedModuleError, match="without overlap_with_ddp"):
+            model.register_comm_hook(None, hook)
