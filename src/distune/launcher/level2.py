@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing import SignalException
-from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
+from torch.distributed.run import parse_min_max_nnodes
 
 from distune.errors import ServiceError
-from distune.launcher.options import AutotuneOptions, OptionError, flags
+from distune.launcher.options import AutotuneOptions, OptionError, flags, local_world_size
 from distune.launcher.trial_args import rewrite_script_args
 from distune.launcher.trial_client import TrialClient, TrialRefusedError
 from distune.launcher.trial_node import NodeTrials
@@ -235,7 +235,7 @@ def trial_world(args: argparse.Namespace) -> tuple[int, int]:
     """The trials' node count and world size; OptionError for a job whose trials cannot be
     coordinated (an elastic node range, a rendezvous other than static)."""
     min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
-    local = determine_local_world_size(args.nproc_per_node)
+    local = local_world_size(args)
     if max_nodes > 1 and not args.standalone:
         if min_nodes != max_nodes:
             raise OptionError(

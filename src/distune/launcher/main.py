@@ -28,7 +28,13 @@ from distune.launcher.level2 import (
     pinned_run,
     trial_world,
 )
-from distune.launcher.options import AutotuneOptions, OptionError, parse, trial_pins
+from distune.launcher.options import (
+    AutotuneOptions,
+    OptionError,
+    local_world_size,
+    parse,
+    trial_pins,
+)
 from distune.launcher.plan import LaunchPlan, plan_launch, plan_trials, restart_caveat
 from distune.launcher.progress import ProgressMonitor
 from distune.launcher.service_process import ServiceStartError, TuningServiceProcess
@@ -107,6 +113,7 @@ def _plan(argv: list[str]) -> tuple[Any, AutotuneOptions, LaunchPlan] | int:
     flags."""
     args, options = parse(argv)
     try:
+        local_world_size(args)  # a device keyword, resolved only on the machine that runs
         if options.autotune_level == 2:
             # Refuse what trials cannot do, and another job's trials, before anything starts.
             world = trial_world(args)

@@ -504,6 +504,17 @@ def options_from_args(args: argparse.Namespace) -> AutotuneOptions:
     return options
 
 
+def local_world_size(args: argparse.Namespace) -> int:
+    """The ranks this node runs: ``--nproc_per_node``, a device keyword resolved on this
+    machine (``gpu`` where CUDA is missing is an OptionError, not torch's traceback)."""
+    try:
+        return int(determine_local_world_size(args.nproc_per_node))
+    except ValueError as error:
+        raise OptionError(
+            f"argument --nproc_per_node: {args.nproc_per_node!r} on this machine: {error}"
+        ) from None
+
+
 def check_torchrun_flags(args: argparse.Namespace) -> None:
     """Reject torchrun flag values that torch would reject only once it runs, with a traceback,
     or never: a static ``--node_rank`` outside ``--nnodes`` waits for its rendezvous forever."""

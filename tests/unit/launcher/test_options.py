@@ -3,7 +3,9 @@
 import json
 
 import pytest
+import torch
 
+from distune.launcher.main import main
 from distune.launcher.options import AutotuneOptions, parse
 
 
@@ -217,3 +219,13 @@ def test_device_keywords_for_nproc_per_node_are_left_to_the_machine_that_runs_th
     # A recipe for GPU nodes is planned and tested on machines without one.
     for keyword in ("gpu", "cpu", "auto", "xpu"):
         assert parse(["--nproc_per_node", keyword, "t.py"])[0].nproc_per_node == keyword
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="'gpu' resolves on a machine with CUDA")
+@pytest.mark.parametrize("level", ["0", "1", "2"])
+def test_a_device_keyword_this_machine_lacks_exits_2_at_any_level(level, capsys):
+    assert main(["--nproc_per_node", "gpu", "--autotune_level", level, "train.py"]) == 2
+    assert capsys.readouterr().err == (
+        "distune-run: error: argument --nproc_per_node: 'gpu' on this machine: "
+        "Cuda is not available.\n"
+    )
