@@ -203,16 +203,29 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _results_dir(options: AutotuneOptions) -> Path:
-    if options.autotune_results_dir is None:
-        return Path(tempfile.mkdtemp(prefix="distune_level2_"))
+def resumes_in_place(options: AutotuneOptions) -> bool:
+    """Whether the results go to the directory being resumed (however each is spelled)."""
+    given, resumed = options.autotune_results_dir, options.autotune_resume
+    return given is not None and resumed is not None and given.resolve() == resumed.resolve()
+
+
+def check_results_dir(options: AutotuneOptions) -> None:
+    """Refuse (OptionError) a results directory that holds another run's trials, unless it
+    is the one being resumed."""
     path = options.autotune_results_dir
-    path.mkdir(mode=0o700, exist_ok=True)
-    if (path / "trials.jsonl").exists() and path != options.autotune_resume:
+    if path is not None and (path / "trials.jsonl").exists() and not resumes_in_place(options):
         raise OptionError(
             f"--autotune_results_dir {path} already holds trials.jsonl; choose another directory "
             "or pass it as --autotune_resume to go on from it"
         )
+
+
+def _results_dir(options: AutotuneOptions) -> Path:
+    if options.autotune_results_dir is None:
+        return Path(tempfile.mkdtemp(prefix="distune_level2_"))
+    check_results_dir(options)
+    path = options.autotune_results_dir
+    path.mkdir(mode=0o700, exist_ok=True)
     return path
 
 
@@ -337,7 +350,7 @@ class Level2:
             args, pins, options.autotune_device_memory, runner, client, self._say
         )
         self.earlier = self._earlier_results()
-        if options.autotune_resume == self.results_dir:
+        if resumes_in_place(options):
             # Resuming in place: the reused trials are written again as they are reused.
             (self.results_dir / "trials.jsonl").unlink()
         #: Nodes that reported the last trial (all of them until a trial ends).

@@ -24,6 +24,7 @@ from distune.errors import ServiceError
 from distune.launcher.level2 import (
     Level2,
     check_batch_pins,
+    check_results_dir,
     earlier_results,
     pinned_run,
     trial_world,
@@ -119,6 +120,7 @@ def _plan(argv: list[str]) -> tuple[Any, AutotuneOptions, LaunchPlan] | int:
             world = trial_world(args)
             pins = trial_pins(args)
             check_batch_pins(pins, world[1], options.autotune_allow_batch_change)
+            check_results_dir(options)
             if options.autotune_resume is not None:
                 _check_resume(args, options, pins, world)
             return args, options, plan_trials(args, options)

@@ -292,6 +292,25 @@ def test_level2_refuses_a_results_dir_already_used(tmp_path: Path) -> None:
         Level2(args, options, TrialPins(), argv, TrialClient("http://127.0.0.1:9"))
 
 
+def test_a_used_results_dir_is_refused_before_anything_starts_unless_resumed_in_place(
+    tmp_path: Path, capsys
+) -> None:
+    from distune.launcher.level2 import check_results_dir
+
+    used = tmp_path / "results"
+    used.mkdir()
+    (used / "trials.jsonl").write_text("")
+    (tmp_path / "elsewhere").mkdir()
+    argv = ["--nproc_per_node", "2", "--autotune_level", "2", "--autotune_results_dir", str(used)]
+    assert main([*argv, "t.py"]) == 2
+    out, err = capsys.readouterr()
+    assert "already holds trials.jsonl" in err and "tuning service" not in out
+    # The same directory spelled another way is resumed in place.
+    again = tmp_path / "elsewhere" / ".." / "results"
+    _, options = parse([*argv, "--autotune_resume", str(again), "t.py"])
+    check_results_dir(options)
+
+
 def test_node_0_refuses_a_master_addr_it_cannot_listen_at() -> None:
     from distune.launcher.level2 import trial_port
     from distune.launcher.options import OptionError
