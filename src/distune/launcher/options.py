@@ -123,6 +123,8 @@ class Flag:
     ``service`` names the tuning service's flag that receives the value (a
     :class:`~distune.tuning_service.config.TuningConfig` field's name, whose declaration then
     supplies the help, the default and the range), or None for a launcher-only flag.
+    ``level2`` marks a flag that only level 2's trials use: given on the command line at
+    another level, it is refused rather than silently ignored.
     """
 
     parse: Callable[[Any], Any]
@@ -130,6 +132,7 @@ class Flag:
     metavar: str | None = None
     kind: FlagKind = "value"
     service: str | None = None
+    level2: bool = False
 
     def help_text(self) -> str:
         """The flag's help: its own, or the tuning setting's with the service's default."""
@@ -152,9 +155,11 @@ def flag_field(
     kind: FlagKind = "value",
     service: str | None = None,
     default: Any = None,
+    level2: bool = False,
 ) -> Any:
     """An AutotuneOptions field declared as a :class:`Flag`."""
-    return field(default=default, metadata={"flag": Flag(parse, help, metavar, kind, service)})
+    declaration = Flag(parse, help, metavar, kind, service, level2)
+    return field(default=default, metadata={"flag": declaration})
 
 
 _TUNING_SETTINGS = {item.name: setting for item, setting in declared(TuningConfig)}
@@ -282,12 +287,14 @@ class AutotuneOptions:
         _choice("tune", "run"),
         "level 2: tune (trials only) or run (trials, then train with the best; default)",
         "{tune,run}",
+        level2=True,
     )
     autotune_results_dir: Path | None = flag_field(
         _directory,
         "level 2: where trials.jsonl, summary.md, best_config.json and best_command.txt go "
         "(default: a new private /tmp/distune_level2_<random>)",
         "DIR",
+        level2=True,
     )
     autotune_device_memory: int | None = flag_field(
         _memory_size,
@@ -299,26 +306,30 @@ class AutotuneOptions:
         positive_seconds,
         "level 2: a trial with no finished step for S seconds is stopped as timeout (default 120)",
         "S",
+        level2=True,
     )
     autotune_max_trials: int | None = flag_field(
         _whole_number(2, None, "an integer of at least 2"),
         "level 2: at most N trials (default 20)",
         "N",
+        level2=True,
     )
     autotune_metric: str | None = flag_field(
         _choice(*METRICS),
         "level 2: throughput (samples a second, maximised; default) or latency (seconds a "
         "step, minimised)",
         "{throughput,latency}",
+        level2=True,
     )
     autotune_allow_batch_change: bool = flag_field(
         _bool,
         "level 2: the global batch may change (it is held fixed otherwise)",
         kind="switch",
         default=False,
+        level2=True,
     )
     autotune_resume: Path | None = flag_field(
-        _results_to_resume, "level 2: reuse the trials already measured in DIR", "DIR"
+        _results_to_resume, "level 2: reuse the trials already measured in DIR", "DIR", level2=True
     )
 
     @property
@@ -501,6 +512,14 @@ def options_from_args(args: argparse.Namespace) -> AutotuneOptions:
             values[dest] = given
     options = AutotuneOptions(**values)
     _check_tuning_ranges(options)
+    trials_only = [
+        dest for dest, flag in flags() if flag.level2 and getattr(args, dest) is not None
+    ]
+    if trials_only and options.autotune_level != 2:
+        raise OptionError(
+            f"argument --{trials_only[0]}: only level 2 runs trials, and this job is level "
+            f"{options.autotune_level}: add --autotune_level 2, or leave it out"
+        )
     return options
 
 

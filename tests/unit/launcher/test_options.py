@@ -119,6 +119,9 @@ def test_hierarchical_off(spelling):
         (["--local-ranks-filter", "0,x"], "argument --local_ranks_filter: must be local ranks separated by commas"),
         (["--logs-specs", "nope"], "argument --logs_specs: Could not find entrypoint"),
         (["--no-python", "-m"], "arguments --no-python and --module (-m) cannot be used together"),
+        # level 2's flags do nothing at another level: refused, not silently ignored
+        (["--autotune_mode", "tune"], "argument --autotune_mode: only level 2 runs trials, and this job is level 0: add --autotune_level 2, or leave it out"),
+        (["--autotune_level", "1", "--autotune-max-trials", "5"], "argument --autotune_max_trials: only level 2 runs trials, and this job is level 1"),
     ],
 )  # fmt: skip
 def test_invalid_values_exit_2_with_one_line_naming_the_flag(argv, message, capsys):
@@ -195,6 +198,13 @@ def test_bad_config_files_exit_2_naming_the_key(tmp_path, text, message, capsys)
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert message in err
+
+
+def test_a_config_file_may_hold_level_2_settings_for_a_run_at_another_level(tmp_path):
+    config = tmp_path / "shared.yaml"
+    config.write_text("autotune_max_trials: 8\nautotune_metric: latency\n")
+    _, options = parse(["--autotune_level", "1", "--autotune_config", str(config), "t.py"])
+    assert (options.autotune_level, options.autotune_max_trials) == (1, 8)
 
 
 def test_quiet_flag_and_config_key(tmp_path):
