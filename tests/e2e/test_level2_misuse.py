@@ -11,7 +11,7 @@ from distune.launcher.level2 import free_port
 from distune.launcher.options import parse
 from distune.launcher.trial_runner import TrialRunner
 from distune.trial_settings import TrialSettings
-from distune.tuning_service.trials.trial_result import CRASH, OK
+from distune.tuning_service.trials.trial_result import CRASH, OK, TIMEOUT
 from tests.e2e.conftest import SCRIPTS
 
 pytestmark = pytest.mark.slow
@@ -19,9 +19,9 @@ WORKER = str(SCRIPTS / "level2_worker.py")
 TRIAL_TIMEOUT = 25.0
 
 
-def one_trial(tmp_path: Path, argv: list[str]) -> TrialRunner:
+def one_trial(tmp_path: Path, argv: list[str], timeout: float = TRIAL_TIMEOUT) -> TrialRunner:
     args, _ = parse(["--nproc_per_node", "1", *argv])
-    return TrialRunner(args, TRIAL_TIMEOUT, tmp_path / "trials")
+    return TrialRunner(args, timeout, tmp_path / "trials")
 
 
 def test_a_script_that_fails_before_distune_sees_it_crashes_with_its_own_traceback(tmp_path):
@@ -44,3 +44,14 @@ def test_a_run_path_trial_ends_once_measured_rather_than_at_its_time_out(tmp_pat
     )
     assert run.outcome == OK, run.error
     assert run.duration < TRIAL_TIMEOUT
+
+
+def test_a_script_that_never_reaches_distune_times_out_saying_so(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text("import time\ntime.sleep(60)\n")  # a loop distune never sees
+    run = one_trial(tmp_path, [str(script)], timeout=2.0).run(0, TrialSettings(), [], free_port())
+    assert run.outcome == TIMEOUT
+    assert run.error == (
+        "no rank reached distune.prepare or distune.DistributedDataParallel within the trial "
+        "time-out (2 s): the script hangs before it, or uses neither"
+    )

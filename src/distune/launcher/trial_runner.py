@@ -249,6 +249,13 @@ class TrialRunner:
         outcome, error = classify(
             exit_code, timed_out, reports, result, failure_tail(trial_dir), self.node_rank == 0
         )
+        if outcome == TIMEOUT and not any(trial_dir.glob("pid.*")):
+            # Each rank writes its pid file once distune measures it: none did.
+            error = (
+                "no rank reached distune.prepare or distune.DistributedDataParallel within the "
+                f"trial time-out ({self.trial_timeout:g} s): the script hangs before it, or "
+                "uses neither"
+            )
         peaks = [int(r["peak_memory_bytes"]) for r in reports if r.get("peak_memory_bytes")]
         return TrialRun(
             outcome=outcome,
