@@ -225,7 +225,10 @@ def _results_dir(options: AutotuneOptions) -> Path:
         return Path(tempfile.mkdtemp(prefix="distune_level2_"))
     check_results_dir(options)
     path = options.autotune_results_dir
-    path.mkdir(mode=0o700, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+    except OSError as error:
+        raise OptionError(f"--autotune_results_dir {path}: {error.strerror or error}") from None
     return path
 
 

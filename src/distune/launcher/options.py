@@ -206,6 +206,9 @@ def _directory(value: Any) -> Path:
         raise InvalidValue(f"{str(path)!r} exists and is not a directory")
     if not path.exists() and not path.parent.is_dir():
         raise InvalidValue(f"directory {str(path.parent)!r} does not exist")
+    where = path if path.exists() else path.parent
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise InvalidValue(f"directory {str(where)!r} is not writable")
     return path
 
 

@@ -311,6 +311,18 @@ def test_a_used_results_dir_is_refused_before_anything_starts_unless_resumed_in_
     check_results_dir(options)
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_results_dir_that_cannot_be_made_is_an_option_error() -> None:
+    from distune.launcher.level2 import Level2
+    from distune.launcher.options import OptionError
+    from distune.launcher.trial_client import TrialClient
+
+    argv = ["--autotune_level", "2", "--autotune_results_dir", "/proc/distune_results", "t.py"]
+    args, options = parse(argv)
+    with pytest.raises(OptionError, match=r"^--autotune_results_dir /proc/distune_results: "):
+        Level2(args, options, TrialPins(), argv, TrialClient("http://127.0.0.1:9"))
+
+
 def test_node_0_refuses_a_master_addr_it_cannot_listen_at() -> None:
     from distune.launcher.level2 import trial_port
     from distune.launcher.options import OptionError
