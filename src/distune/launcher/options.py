@@ -559,6 +559,13 @@ def check_torchrun_flags(args: argparse.Namespace) -> None:
                 "argument --nproc_per_node: must be a number of processes or one of auto, cpu, "
                 f"gpu, xpu, got {args.nproc_per_node!r}"
             )
+    if args.standalone and min_nodes > 1:
+        # torch would wait for the other nodes at a rendezvous on a random local port, which
+        # no other node can know: until its join time-out, 10 minutes.
+        raise OptionError(
+            f"argument --standalone: runs one node, but --nnodes {args.nnodes} waits for "
+            f"{min_nodes}; drop --standalone and give a rendezvous every node reaches"
+        )
     if args.max_restarts < 0:
         raise OptionError(f"argument --max_restarts: must be 0 or more, got {args.max_restarts}")
     try:

@@ -119,6 +119,7 @@ def test_hierarchical_off(spelling):
         (["--local-ranks-filter", "0,x"], "argument --local_ranks_filter: must be local ranks separated by commas"),
         (["--logs-specs", "nope"], "argument --logs_specs: Could not find entrypoint"),
         (["--no-python", "-m"], "arguments --no-python and --module (-m) cannot be used together"),
+        (["--standalone", "--nnodes", "2"], "argument --standalone: runs one node, but --nnodes 2 waits for 2"),
         # level 2's flags do nothing at another level: refused, not silently ignored
         (["--autotune_mode", "tune"], "argument --autotune_mode: only level 2 runs trials, and this job is level 0: add --autotune_level 2, or leave it out"),
         (["--autotune_level", "1", "--autotune-max-trials", "5"], "argument --autotune_max_trials: only level 2 runs trials, and this job is level 1"),
