@@ -55,3 +55,32 @@ def test_a_script_that_never_reaches_distune_times_out_saying_so(tmp_path):
         "no rank reached distune.prepare or distune.DistributedDataParallel within the trial "
         "time-out (2 s): the script hangs before it, or uses neither"
     )
+
+
+# Calls distune.prepare, then builds its batches from its own --batch-size.
+OWN_BATCHES = """
+import os, sys, torch, torch.distributed as dist
+from torch import nn
+import distune
+dist.init_process_group("gloo")
+model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+run = distune.prepare(model, optimizer, micro_batch_size=2, gradient_accumulation_steps=1)
+for _ in range(20):
+    run.model(torch.randn(2, 16)).sum().backward()  # 2, whatever run.micro_batch_size says
+    run.optimizer.step()
+    run.optimizer.zero_grad()
+"""
+
+
+def test_a_prepare_script_that_ignores_the_trials_micro_batch_crashes_rather_than_lie(tmp_path):
+    script = tmp_path / "own_batches.py"
+    script.write_text(OWN_BATCHES)
+    settings = TrialSettings(micro_batch=8, accumulation=1)
+    run = one_trial(tmp_path, [str(script)]).run(0, settings, [], free_port())
+    assert run.outcome == CRASH
+    assert run.error is not None
+    assert (
+        "distune.prepare set the micro-batch to 8, but the model's first forward took an input "
+        "of shape (2, 16)" in run.error
+    )
