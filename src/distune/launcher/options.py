@@ -470,6 +470,12 @@ def _config_file_values(path: str) -> dict[str, Any]:
 
 #: Unknown keys named in one error, at most (a file that is no config may hold hundreds).
 _UNKNOWN_SHOWN = 5
+#: What a DeepSpeed autotuner user's config section means here (rather than a near-miss name).
+_DEEPSPEED_AUTOTUNING = (
+    "is DeepSpeed's autotuner section: give arg_mappings at the top level, and its other "
+    "settings as flags (--autotune_level 2, --autotune_metric, --autotune_results_dir, "
+    "--autotune_max_trials)"
+)
 
 
 def _unknown_keys(unknown: list[str], known: set[str]) -> str:
@@ -477,7 +483,10 @@ def _unknown_keys(unknown: list[str], known: set[str]) -> str:
     shown = []
     for key in unknown[:_UNKNOWN_SHOWN]:
         close = difflib.get_close_matches(key, known, n=1)
-        shown.append(f"{key[:60]!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        if key == "autotuning":
+            shown.append(f"'autotuning' ({_DEEPSPEED_AUTOTUNING})")
+        else:
+            shown.append(f"{key[:60]!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     more = len(unknown) - _UNKNOWN_SHOWN
     return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
 

@@ -179,6 +179,11 @@ def test_best_file_is_a_config_file(tmp_path):
             "you mean 'bucket_size'?)",
         ),
         ("".join(f"k{i}: 1\n" for i in range(9)), "'k4' and 4 more in"),
+        (
+            "autotuning: {enabled: true, arg_mappings: {train_micro_batch_size_per_gpu: --bs}}\n",
+            "unknown key(s) 'autotuning' (is DeepSpeed's autotuner section: give arg_mappings at "
+            "the top level, and its other settings as flags (--autotune_level 2",
+        ),
         ("autotune_warmup_time: -2\n", "autotune_warmup_time must be a positive number of seconds"),
         ("bucket_size: true\n", "bucket_size must be a positive whole number of bytes, got True"),
         (
