@@ -19,6 +19,7 @@ from typing import Any
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_min_max_nnodes
 
 from distune.errors import ServiceError
 from distune.launcher.level2 import (
@@ -124,7 +125,12 @@ def _plan(argv: list[str]) -> tuple[Any, AutotuneOptions, LaunchPlan] | int:
             if options.autotune_resume is not None:
                 _check_resume(args, options, pins, world)
             return args, options, plan_trials(args, options)
-        args = pinned_run(args, options, trial_pins(args))
+        pins = trial_pins(args)
+        min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+        if min_nodes == max_nodes:  # an elastic job's world is known only as it runs
+            # A best_config.json run on another number of ranks would change the global batch.
+            check_batch_pins(pins, max_nodes * local_world_size(args), False)
+        args = pinned_run(args, options, pins)
         return args, options, plan_launch(args, options)
     except OptionError as error:
         print(f"distune-run: error: {error}", file=sys.stderr)

@@ -222,6 +222,21 @@ def test_bad_deepspeed_style_keys_exit_2_before_anything_starts(
     assert "tuning service" not in out  # refused before the service started
 
 
+@pytest.mark.parametrize("level", ["0", "1"])
+def test_a_best_config_run_on_other_ranks_than_it_was_tuned_on_is_refused(
+    tmp_path, level, capsys
+) -> None:
+    best = TrialConfig(8, 1, 0, False).to_config(2)  # tuned on 2 ranks: global batch 16
+    path = tmp_path / "best_config.json"
+    path.write_text(json.dumps(best))
+    argv = ["--nproc_per_node", "4", "--autotune_level", level, "--autotune_config", str(path)]
+    assert main([*argv, "t.py"]) == 2
+    assert capsys.readouterr().err == (
+        "distune-run: error: --autotune_config: train_batch_size 16 is not "
+        "train_micro_batch_size_per_gpu 8 x gradient_accumulation_steps 1 x 4 ranks\n"
+    )
+
+
 def test_auto_batch_keys_of_a_trainer_deepspeed_config_are_distunes_to_choose(tmp_path) -> None:
     path = tmp_path / "ds_config.json"
     auto = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
