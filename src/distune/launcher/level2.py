@@ -36,7 +36,7 @@ from distune.launcher.trial_client import TrialClient, TrialRefusedError
 from distune.launcher.trial_node import NodeTrials
 from distune.launcher.trial_report import TrialReport
 from distune.launcher.trial_runner import TrialRunner
-from distune.launcher.tuned_job import TunedJob
+from distune.launcher.tuned_job import JOB_FILE, TunedJob
 from distune.trial_settings import TrialSettings
 from distune.tuning_service.trial_board import OUTCOME_PRIORITY
 from distune.tuning_service.trials.memory_model import MemoryModel, ModelFacts
@@ -210,14 +210,18 @@ def resumes_in_place(options: AutotuneOptions) -> bool:
 
 
 def check_results_dir(options: AutotuneOptions) -> None:
-    """Refuse (OptionError) a results directory that holds another run's trials, unless it
-    is the one being resumed."""
+    """Refuse (OptionError) a results directory that holds another level-2 run (its
+    ``job.json`` is written as it starts, its ``trials.jsonl`` as its first trial ends: two
+    runs at once would mix their records), unless it is the one being resumed."""
     path = options.autotune_results_dir
-    if path is not None and (path / "trials.jsonl").exists() and not resumes_in_place(options):
-        raise OptionError(
-            f"--autotune_results_dir {path} already holds trials.jsonl; choose another directory "
-            "or pass it as --autotune_resume to go on from it"
-        )
+    if path is None or resumes_in_place(options):
+        return
+    for held in ("trials.jsonl", JOB_FILE):
+        if (path / held).exists():
+            raise OptionError(
+                f"--autotune_results_dir {path} already holds {held} of a level-2 run; choose "
+                "another directory, or pass it as --autotune_resume to go on from it"
+            )
 
 
 def _results_dir(options: AutotuneOptions) -> Path:

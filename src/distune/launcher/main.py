@@ -121,10 +121,12 @@ def _plan(argv: list[str]) -> tuple[Any, AutotuneOptions, LaunchPlan] | int:
             world = trial_world(args)
             pins = trial_pins(args)
             check_batch_pins(pins, world[1], options.autotune_allow_batch_change)
-            check_results_dir(options)
             if options.autotune_resume is not None:
                 _check_resume(args, options, pins, world)
-            return args, options, plan_trials(args, options)
+            plan = plan_trials(args, options)
+            if plan.starts_service:  # node 0 writes the results; another node has its own
+                check_results_dir(options)
+            return args, options, plan
         pins = trial_pins(args)
         min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
         if min_nodes == max_nodes:  # an elastic job's world is known only as it runs

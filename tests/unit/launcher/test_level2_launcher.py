@@ -311,6 +311,7 @@ def test_a_used_results_dir_is_refused_before_anything_starts_unless_resumed_in_
     tmp_path: Path, capsys
 ) -> None:
     from distune.launcher.level2 import check_results_dir
+    from distune.launcher.options import OptionError
 
     used = tmp_path / "results"
     used.mkdir()
@@ -324,6 +325,13 @@ def test_a_used_results_dir_is_refused_before_anything_starts_unless_resumed_in_
     again = tmp_path / "elsewhere" / ".." / "results"
     _, options = parse([*argv, "--autotune_resume", str(again), "t.py"])
     check_results_dir(options)
+    # A run still at its first trial (job.json, no trials.jsonl yet) is not joined by another.
+    running = tmp_path / "running"
+    running.mkdir()
+    (running / "job.json").write_text("{}")
+    _, options = parse([*argv[:-1], str(running), "t.py"])
+    with pytest.raises(OptionError, match=r"already holds job\.json of a level-2 run"):
+        check_results_dir(options)
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
