@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import shlex
@@ -358,8 +359,15 @@ class Level2:
         )
         self.earlier = self._earlier_results()
         if resumes_in_place(options):
-            # Resuming in place: the reused trials are written again as they are reused.
-            (self.results_dir / "trials.jsonl").unlink()
+            # Resuming in place: the reused trials are written again as they are reused, and
+            # the earlier records are kept beside them (a stop before every one was reused, or
+            # a search that no longer proposes some, must not lose a finished row).
+            kept = next(
+                path
+                for n in itertools.count(1)
+                if not (path := self.results_dir / f"trials.before-resume-{n}.jsonl").exists()
+            )
+            os.replace(self.results_dir / "trials.jsonl", kept)
         #: Nodes that reported the last trial (all of them until a trial ends).
         self.answering = set(range(self.nnodes))
         self.started = time.monotonic()
