@@ -45,14 +45,9 @@ from distune.launcher.summary import format_summary
 from distune.launcher.trial_client import TrialClient, TrialRefusedError
 from distune.launcher.trial_follower import TrialFollower
 from distune.launcher.trial_node import TrialsStoppedError
+from distune.launcher.trial_runner import failure_exit_code
 from distune.launcher.tuned_job import JOB_FILE, OtherJobError, TunedJob
 from distune.tuning_service.trials.trial_config import TrialPins
-
-
-def _failure_exit_code(error: ChildFailedError) -> int:
-    _, failure = error.get_first_failure()
-    # A worker killed by signal N has exit code -N; shells report it as 128 + N.
-    return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
 
 
 def _run_workers(args: object, plan: LaunchPlan) -> int:
@@ -61,7 +56,7 @@ def _run_workers(args: object, plan: LaunchPlan) -> int:
         torchrun.run(args)
     except ChildFailedError as error:
         print(error.format_msg(), file=sys.stderr)
-        return _failure_exit_code(error)
+        return failure_exit_code(error)
     return 0
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from distune.launcher.trial_runner import FAILURE_FILE
+from distune.launcher.trial_runner import FAILURE_FILE, failure_exit_code
 
 
 def main(argv: list[str]) -> int:
@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
     except ChildFailedError as error:
         print(error.format_msg(), file=sys.stderr, flush=True)
         rank, failure = error.get_first_failure()
-        code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+        code = failure_exit_code(error)
         first = {"rank": rank, "local_rank": failure.local_rank, "exit_code": code}
         Path(argv[0]).with_name(FAILURE_FILE).write_text(json.dumps(first), encoding="utf-8")
         return code

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser
 
 from distune.trial_settings import TRIAL_DIR, TrialSettings
@@ -64,6 +65,12 @@ class TrialRun:
     log_path: Path
     peak_memory_bytes: int | None = None
     stopped: str | None = None
+
+
+def failure_exit_code(error: ChildFailedError) -> int:
+    """The exit code of the first failed rank, as a shell reports it (128 + N for signal N)."""
+    _, failure = error.get_first_failure()
+    return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
 
 
 def read_json_object(path: Path) -> dict[str, Any] | None:
