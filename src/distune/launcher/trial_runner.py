@@ -260,8 +260,8 @@ class TrialRunner:
             # Each rank writes its pid file once distune measures it: none did.
             error = (
                 "no rank reached distune.prepare or distune.DistributedDataParallel within the "
-                f"trial time-out ({self.trial_timeout:g} s): the script hangs before it, or "
-                "uses neither"
+                f"trial time-out ({self.trial_timeout:g} s): the script hangs before it (in its "
+                "start-up or its process group's rendezvous), or uses neither"
             )
         peaks = [int(r["peak_memory_bytes"]) for r in reports if r.get("peak_memory_bytes")]
         return TrialRun(
