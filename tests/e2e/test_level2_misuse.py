@@ -3,13 +3,20 @@ gloo rank, run by the launcher's :class:`TrialRunner` as ``distune-run`` runs it
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from distune.launcher.level2 import free_port
 from distune.launcher.options import parse
-from distune.launcher.trial_runner import TrialRunner
+from distune.launcher.trial_runner import TrialRunner, descendants
 from distune.trial_settings import TrialSettings
 from distune.tuning_service.trials.trial_result import CRASH, OK, TIMEOUT
 from tests.e2e.conftest import SCRIPTS
@@ -85,3 +92,46 @@ def test_a_prepare_script_that_ignores_the_trials_micro_batch_crashes_rather_tha
         "distune.prepare set the micro-batch to 8, but the model's first forward took an input "
         "of shape (2, 16)" in run.error
     )
+
+
+# A launcher as the trial runner starts a trial, which then dies without stopping it.
+LAUNCHER = """
+import os, subprocess, sys, time
+trial = [sys.executable, "-m", "distune.launcher.trial_job", sys.argv[1], str(os.getpid())]
+print(subprocess.Popen(trial, start_new_session=True).pid, flush=True)
+time.sleep(120)
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux's /proc")
+def test_a_trial_ends_with_its_launcher_even_when_the_launcher_is_killed(tmp_path):
+    args, _ = parse(["--nproc_per_node", "1", "--no-python", "sleep", "120"])
+    spec = tmp_path / "torchrun.json"
+    spec.write_text(json.dumps(vars(args)))
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(spec)], stdout=subprocess.PIPE, text=True
+    )
+    trial = int(launcher.stdout.readline())
+    deadline = time.monotonic() + 60
+    while not (ranks := descendants(trial)) and time.monotonic() < deadline:
+        time.sleep(0.1)  # until the agent started its rank
+    try:
+        assert ranks, "the trial's agent started no rank"
+        launcher.kill()  # SIGKILL: nothing of the launcher's stops the trial
+        launcher.wait()
+        deadline = time.monotonic() + 20
+        while any(running(pid) for pid in (trial, *ranks)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(running(pid) for pid in (trial, *ranks))
+    finally:
+        for pid in (trial, *ranks, *descendants(trial)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

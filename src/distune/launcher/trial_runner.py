@@ -121,7 +121,8 @@ def classify(
     return CRASH, log_tail or f"exit status {exit_code}"
 
 
-def _descendants(pid: int) -> set[int]:
+def descendants(pid: int) -> set[int]:
+    """The pids of ``pid``'s children, theirs, and so on, from /proc (empty where absent)."""
     found: set[int] = set()
     pending = [pid]
     while pending:
@@ -238,7 +239,13 @@ class TrialRunner:
         timed_out, stopped = False, None
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "distune.launcher.trial_job", str(spec_path)],
+                [
+                    sys.executable,
+                    "-m",
+                    "distune.launcher.trial_job",
+                    str(spec_path),
+                    str(os.getpid()),
+                ],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -308,7 +315,7 @@ class TrialRunner:
 
     def _stop(self, process: subprocess.Popen, trial_dir: Path) -> None:
         """Stop the trial's agent and ranks by their ids, gently first."""
-        pids = _descendants(process.pid)
+        pids = descendants(process.pid)
         for pid_file in trial_dir.glob("pid.*"):
             with contextlib.suppress(OSError, ValueError):
                 rank_pid = int(pid_file.read_text())
@@ -320,7 +327,7 @@ class TrialRunner:
         while time.monotonic() < deadline and (
             process.poll() is None or any(_alive(p) for p in pids)
         ):
-            pids |= _descendants(process.pid) if process.poll() is None else set()
+            pids |= descendants(process.pid) if process.poll() is None else set()
             time.sleep(_POLL)
         for pid in [process.pid, *pids]:
             with contextlib.suppress(ProcessLookupError, PermissionError):
