@@ -4,6 +4,7 @@ device memory cap, with an out-of-memory in one rank, a crash, a hang and a Ctrl
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import time
 from pathlib import Path
@@ -60,6 +61,8 @@ def test_tune_then_run_prunes_after_an_oom_in_one_rank_and_trains_with_the_winne
         "--autotune_level 0 --autotune_config" in command
         and "--autotune_device_memory" not in command
     )
+    again, _ = parse(shlex.split(command)[1:])  # a shell command line that runs the same script
+    assert (again.training_script, again.training_script_args[:2]) == (WORKER, ["--oom-rank", "1"])
     summary = (results / "summary.md").read_text()
     micro, accumulation = (
         best["train_micro_batch_size_per_gpu"],

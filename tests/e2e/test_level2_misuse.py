@@ -3,15 +3,22 @@ gloo rank, run by the launcher's :class:`TrialRunner` as ``distune-run`` runs it
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from distune.launcher.level2 import free_port
 from distune.launcher.options import parse
-from distune.launcher.trial_runner import TrialRunner
+from distune.launcher.trial_runner import TrialRunner, descendants
 from distune.trial_settings import TrialSettings
-from distune.tuning_service.trials.trial_result import CRASH, OK
+from distune.tuning_service.trials.trial_result import CRASH, OK, TIMEOUT
 from tests.e2e.conftest import SCRIPTS
 
 pytestmark = pytest.mark.slow
@@ -19,9 +26,9 @@ WORKER = str(SCRIPTS / "level2_worker.py")
 TRIAL_TIMEOUT = 25.0
 
 
-def one_trial(tmp_path: Path, argv: list[str]) -> TrialRunner:
+def one_trial(tmp_path: Path, argv: list[str], timeout: float = TRIAL_TIMEOUT) -> TrialRunner:
     args, _ = parse(["--nproc_per_node", "1", *argv])
-    return TrialRunner(args, TRIAL_TIMEOUT, tmp_path / "trials")
+    return TrialRunner(args, timeout, tmp_path / "trials")
 
 
 def test_a_script_that_fails_before_distune_sees_it_crashes_with_its_own_traceback(tmp_path):
@@ -44,3 +51,87 @@ def test_a_run_path_trial_ends_once_measured_rather_than_at_its_time_out(tmp_pat
     )
     assert run.outcome == OK, run.error
     assert run.duration < TRIAL_TIMEOUT
+
+
+def test_a_script_that_never_reaches_distune_times_out_saying_so(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text("import time\ntime.sleep(60)\n")  # a loop distune never sees
+    run = one_trial(tmp_path, [str(script)], timeout=2.0).run(0, TrialSettings(), [], free_port())
+    assert run.outcome == TIMEOUT
+    assert run.error == (
+        "no rank reached distune.prepare or distune.DistributedDataParallel within the trial "
+        "time-out (2 s): the script hangs before it (in its start-up or its process group's "
+        "rendezvous), or uses neither"
+    )
+
+
+# Calls distune.prepare, then builds its batches from its own --batch-size.
+OWN_BATCHES = """
+import os, sys, torch, torch.distributed as dist
+from torch import nn
+import distune
+dist.init_process_group("gloo")
+model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+run = distune.prepare(model, optimizer, micro_batch_size=2, gradient_accumulation_steps=1)
+for _ in range(20):
+    run.model(torch.randn(2, 16)).sum().backward()  # 2, whatever run.micro_batch_size says
+    run.optimizer.step()
+    run.optimizer.zero_grad()
+"""
+
+
+def test_a_prepare_script_that_ignores_the_trials_micro_batch_crashes_rather_than_lie(tmp_path):
+    script = tmp_path / "own_batches.py"
+    script.write_text(OWN_BATCHES)
+    settings = TrialSettings(micro_batch=8, accumulation=1)
+    run = one_trial(tmp_path, [str(script)]).run(0, settings, [], free_port())
+    assert run.outcome == CRASH
+    assert run.error is not None
+    assert (
+        "distune.prepare set the micro-batch to 8, but the model's first forward took an input "
+        "of shape (2, 16)" in run.error
+    )
+
+
+# A launcher as the trial runner starts a trial, which then dies without stopping it.
+LAUNCHER = """
+import os, subprocess, sys, time
+trial = [sys.executable, "-m", "distune.launcher.trial_job", sys.argv[1], str(os.getpid())]
+print(subprocess.Popen(trial, start_new_session=True).pid, flush=True)
+time.sleep(120)
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux's /proc")
+def test_a_trial_ends_with_its_launcher_even_when_the_launcher_is_killed(tmp_path):
+    args, _ = parse(["--nproc_per_node", "1", "--no-python", "sleep", "120"])
+    spec = tmp_path / "torchrun.json"
+    spec.write_text(json.dumps(vars(args)))
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(spec)], stdout=subprocess.PIPE, text=True
+    )
+    trial = int(launcher.stdout.readline())
+    deadline = time.monotonic() + 60
+    while not (ranks := descendants(trial)) and time.monotonic() < deadline:
+        time.sleep(0.1)  # until the agent started its rank
+    try:
+        assert ranks, "the trial's agent started no rank"
+        launcher.kill()  # SIGKILL: nothing of the launcher's stops the trial
+        launcher.wait()
+        deadline = time.monotonic() + 20
+        while any(running(pid) for pid in (trial, *ranks)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(running(pid) for pid in (trial, *ranks))
+    finally:
+        for pid in (trial, *ranks, *descendants(trial)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
+import shlex
 import socket
 import tempfile
 import time
@@ -26,16 +28,16 @@ from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing import SignalException
-from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
+from torch.distributed.run import parse_min_max_nnodes
 
 from distune.errors import ServiceError
-from distune.launcher.options import AutotuneOptions, OptionError, flags
+from distune.launcher.options import AutotuneOptions, OptionError, flags, local_world_size
 from distune.launcher.trial_args import rewrite_script_args
 from distune.launcher.trial_client import TrialClient, TrialRefusedError
 from distune.launcher.trial_node import NodeTrials
 from distune.launcher.trial_report import TrialReport
 from distune.launcher.trial_runner import TrialRunner
-from distune.launcher.tuned_job import TunedJob
+from distune.launcher.tuned_job import JOB_FILE, TunedJob
 from distune.trial_settings import TrialSettings
 from distune.tuning_service.trial_board import OUTCOME_PRIORITY
 from distune.tuning_service.trials.memory_model import MemoryModel, ModelFacts
@@ -175,8 +177,9 @@ def mapped_flags_failed(results: list[TrialResult], pins: TrialPins) -> str | No
 
 
 def command_without_tuning(argv: list[str], args: argparse.Namespace, best: Path) -> list[str]:
-    """The launcher command that runs ``best`` with tuning off: the job's own torchrun flags,
-    ``--autotune_level 0 --autotune_config best``, then the script and its arguments."""
+    """The launcher command that runs ``best`` with tuning off: ``--autotune_level 0
+    --autotune_config best``, the job's own torchrun flags (first, so that a ``--`` before the
+    script stays there), then the script and its arguments."""
     script_at = len(argv) - len(args.training_script_args) - 1
     launcher, rest = argv[:script_at], argv[script_at:]
     switches = {f"__{dest}" for dest, flag in flags() if flag.kind != "value"}
@@ -191,7 +194,7 @@ def command_without_tuning(argv: list[str], args: argparse.Namespace, best: Path
             skip = "=" not in arg and name not in switches
         else:
             kept.append(arg)
-    return ["distune-run", *kept, "--autotune_level", "0", "--autotune_config", str(best), *rest]
+    return ["distune-run", "--autotune_level", "0", "--autotune_config", str(best), *kept, *rest]
 
 
 def free_port() -> int:
@@ -201,16 +204,36 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def resumes_in_place(options: AutotuneOptions) -> bool:
+    """Whether the results go to the directory being resumed (however each is spelled)."""
+    given, resumed = options.autotune_results_dir, options.autotune_resume
+    return given is not None and resumed is not None and given.resolve() == resumed.resolve()
+
+
+def check_results_dir(options: AutotuneOptions) -> None:
+    """Refuse (OptionError) a results directory that holds another level-2 run (its
+    ``job.json`` is written as it starts, its ``trials.jsonl`` as its first trial ends: two
+    runs at once would mix their records), unless it is the one being resumed."""
+    path = options.autotune_results_dir
+    if path is None or resumes_in_place(options):
+        return
+    for held in ("trials.jsonl", JOB_FILE):
+        if (path / held).exists():
+            raise OptionError(
+                f"--autotune_results_dir {path} already holds {held} of a level-2 run; choose "
+                "another directory, or pass it as --autotune_resume to go on from it"
+            )
+
+
 def _results_dir(options: AutotuneOptions) -> Path:
     if options.autotune_results_dir is None:
         return Path(tempfile.mkdtemp(prefix="distune_level2_"))
+    check_results_dir(options)
     path = options.autotune_results_dir
-    path.mkdir(mode=0o700, exist_ok=True)
-    if (path / "trials.jsonl").exists() and path != options.autotune_resume:
-        raise OptionError(
-            f"--autotune_results_dir {path} already holds trials.jsonl; choose another directory "
-            "or pass it as --autotune_resume to go on from it"
-        )
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+    except OSError as error:
+        raise OptionError(f"--autotune_results_dir {path}: {error.strerror or error}") from None
     return path
 
 
@@ -233,7 +256,7 @@ def trial_world(args: argparse.Namespace) -> tuple[int, int]:
     """The trials' node count and world size; OptionError for a job whose trials cannot be
     coordinated (an elastic node range, a rendezvous other than static)."""
     min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
-    local = determine_local_world_size(args.nproc_per_node)
+    local = local_world_size(args)
     if max_nodes > 1 and not args.standalone:
         if min_nodes != max_nodes:
             raise OptionError(
@@ -248,6 +271,29 @@ def trial_world(args: argparse.Namespace) -> tuple[int, int]:
             )
         return max_nodes, max_nodes * local
     return 1, local
+
+
+def earlier_results(directory: Path) -> list[TrialResult]:
+    """The trials recorded in ``directory``'s ``trials.jsonl`` (``--autotune_resume``);
+    OptionError naming a line that holds no trial record (a file edited or cut short)."""
+    path = directory / "trials.jsonl"
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise OptionError(f"--autotune_resume: cannot read {path}: {error}") from None
+    results = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            results.append(TrialResult.from_json(json.loads(line)))
+        except (ValueError, KeyError, TypeError, AttributeError, TrialConfigError) as error:
+            raise OptionError(
+                f"--autotune_resume: {path} line {number} is not a trial record "
+                f"({type(error).__name__}: {error}); resume from an intact trials.jsonl or start "
+                "afresh"
+            ) from None
+    return results
 
 
 def check_batch_pins(pins: TrialPins, world_size: int, allow_batch_change: bool) -> None:
@@ -312,9 +358,16 @@ class Level2:
             args, pins, options.autotune_device_memory, runner, client, self._say
         )
         self.earlier = self._earlier_results()
-        if options.autotune_resume == self.results_dir:
-            # Resuming in place: the reused trials are written again as they are reused.
-            (self.results_dir / "trials.jsonl").unlink()
+        if resumes_in_place(options):
+            # Resuming in place: the reused trials are written again as they are reused, and
+            # the earlier records are kept beside them (a stop before every one was reused, or
+            # a search that no longer proposes some, must not lose a finished row).
+            kept = next(
+                path
+                for n in itertools.count(1)
+                if not (path := self.results_dir / f"trials.before-resume-{n}.jsonl").exists()
+            )
+            os.replace(self.results_dir / "trials.jsonl", kept)
         #: Nodes that reported the last trial (all of them until a trial ends).
         self.answering = set(range(self.nnodes))
         self.started = time.monotonic()
@@ -322,8 +375,7 @@ class Level2:
     def _earlier_results(self) -> list[TrialResult]:
         if self.options.autotune_resume is None:
             return []
-        lines = (self.options.autotune_resume / "trials.jsonl").read_text().splitlines()
-        return [TrialResult.from_json(json.loads(line)) for line in lines if line.strip()]
+        return earlier_results(self.options.autotune_resume)
 
     def _say(self, text: str) -> None:
         if not self.options.autotune_quiet:
@@ -546,7 +598,7 @@ class Level2:
             config["arg_mappings"] = dict(self.pins.arg_mappings)
         best_file.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         command = command_without_tuning(self.argv, self.args, best_file)
-        (self.results_dir / "best_command.txt").write_text(" ".join(command) + "\n")
+        (self.results_dir / "best_command.txt").write_text(shlex.join(command) + "\n")
         settings = settings_for(as_measured, self.pins, self.options.autotune_device_memory)
         script_args = rewrite_script_args(
             list(self.args.training_script_args),

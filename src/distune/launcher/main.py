@@ -19,10 +19,24 @@ from typing import Any
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_min_max_nnodes
 
 from distune.errors import ServiceError
-from distune.launcher.level2 import Level2, check_batch_pins, pinned_run, trial_world
-from distune.launcher.options import AutotuneOptions, OptionError, parse, trial_pins
+from distune.launcher.level2 import (
+    Level2,
+    check_batch_pins,
+    check_results_dir,
+    earlier_results,
+    pinned_run,
+    trial_world,
+)
+from distune.launcher.options import (
+    AutotuneOptions,
+    OptionError,
+    local_world_size,
+    parse,
+    trial_pins,
+)
 from distune.launcher.plan import LaunchPlan, plan_launch, plan_trials, restart_caveat
 from distune.launcher.progress import ProgressMonitor
 from distune.launcher.service_process import ServiceStartError, TuningServiceProcess
@@ -31,14 +45,9 @@ from distune.launcher.summary import format_summary
 from distune.launcher.trial_client import TrialClient, TrialRefusedError
 from distune.launcher.trial_follower import TrialFollower
 from distune.launcher.trial_node import TrialsStoppedError
+from distune.launcher.trial_runner import failure_exit_code
 from distune.launcher.tuned_job import JOB_FILE, OtherJobError, TunedJob
 from distune.tuning_service.trials.trial_config import TrialPins
-
-
-def _failure_exit_code(error: ChildFailedError) -> int:
-    _, failure = error.get_first_failure()
-    # A worker killed by signal N has exit code -N; shells report it as 128 + N.
-    return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
 
 
 def _run_workers(args: object, plan: LaunchPlan) -> int:
@@ -47,7 +56,7 @@ def _run_workers(args: object, plan: LaunchPlan) -> int:
         torchrun.run(args)
     except ChildFailedError as error:
         print(error.format_msg(), file=sys.stderr)
-        return _failure_exit_code(error)
+        return failure_exit_code(error)
     return 0
 
 
@@ -101,6 +110,7 @@ def _plan(argv: list[str]) -> tuple[Any, AutotuneOptions, LaunchPlan] | int:
     flags."""
     args, options = parse(argv)
     try:
+        local_world_size(args)  # a device keyword, resolved only on the machine that runs
         if options.autotune_level == 2:
             # Refuse what trials cannot do, and another job's trials, before anything starts.
             world = trial_world(args)
@@ -108,8 +118,16 @@ def _plan(argv: list[str]) -> tuple[Any, AutotuneOptions, LaunchPlan] | int:
             check_batch_pins(pins, world[1], options.autotune_allow_batch_change)
             if options.autotune_resume is not None:
                 _check_resume(args, options, pins, world)
-            return args, options, plan_trials(args, options)
-        args = pinned_run(args, options, trial_pins(args))
+            plan = plan_trials(args, options)
+            if plan.starts_service:  # node 0 writes the results; another node has its own
+                check_results_dir(options)
+            return args, options, plan
+        pins = trial_pins(args)
+        min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+        if min_nodes == max_nodes:  # an elastic job's world is known only as it runs
+            # A best_config.json run on another number of ranks would change the global batch.
+            check_batch_pins(pins, max_nodes * local_world_size(args), False)
+        args = pinned_run(args, options, pins)
         return args, options, plan_launch(args, options)
     except OptionError as error:
         print(f"distune-run: error: {error}", file=sys.stderr)
@@ -119,8 +137,10 @@ def _plan(argv: list[str]) -> tuple[Any, AutotuneOptions, LaunchPlan] | int:
 def _check_resume(
     args: Any, options: AutotuneOptions, pins: TrialPins, world: tuple[int, int]
 ) -> None:
-    """Refuse to resume the trials of another job (OptionError)."""
+    """Refuse to resume a directory whose trials cannot be read, or are of another job
+    (OptionError)."""
     assert options.autotune_resume is not None
+    earlier_results(options.autotune_resume)  # every line a trial record
     job = TunedJob.of(args, pins, options.autotune_device_memory, world)
     try:
         checked = job.check_resume(options.autotune_resume)

@@ -123,6 +123,8 @@ class Flag:
     ``service`` names the tuning service's flag that receives the value (a
     :class:`~distune.tuning_service.config.TuningConfig` field's name, whose declaration then
     supplies the help, the default and the range), or None for a launcher-only flag.
+    ``level2`` marks a flag that only level 2's trials use: given on the command line at
+    another level, it is refused rather than silently ignored.
     """
 
     parse: Callable[[Any], Any]
@@ -130,6 +132,7 @@ class Flag:
     metavar: str | None = None
     kind: FlagKind = "value"
     service: str | None = None
+    level2: bool = False
 
     def help_text(self) -> str:
         """The flag's help: its own, or the tuning setting's with the service's default."""
@@ -152,9 +155,11 @@ def flag_field(
     kind: FlagKind = "value",
     service: str | None = None,
     default: Any = None,
+    level2: bool = False,
 ) -> Any:
     """An AutotuneOptions field declared as a :class:`Flag`."""
-    return field(default=default, metadata={"flag": Flag(parse, help, metavar, kind, service)})
+    declaration = Flag(parse, help, metavar, kind, service, level2)
+    return field(default=default, metadata={"flag": declaration})
 
 
 _TUNING_SETTINGS = {item.name: setting for item, setting in declared(TuningConfig)}
@@ -201,6 +206,9 @@ def _directory(value: Any) -> Path:
         raise InvalidValue(f"{str(path)!r} exists and is not a directory")
     if not path.exists() and not path.parent.is_dir():
         raise InvalidValue(f"directory {str(path.parent)!r} does not exist")
+    where = path if path.exists() else path.parent
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise InvalidValue(f"directory {str(where)!r} is not writable")
     return path
 
 
@@ -282,12 +290,14 @@ class AutotuneOptions:
         _choice("tune", "run"),
         "level 2: tune (trials only) or run (trials, then train with the best; default)",
         "{tune,run}",
+        level2=True,
     )
     autotune_results_dir: Path | None = flag_field(
         _directory,
         "level 2: where trials.jsonl, summary.md, best_config.json and best_command.txt go "
         "(default: a new private /tmp/distune_level2_<random>)",
         "DIR",
+        level2=True,
     )
     autotune_device_memory: int | None = flag_field(
         _memory_size,
@@ -299,26 +309,30 @@ class AutotuneOptions:
         positive_seconds,
         "level 2: a trial with no finished step for S seconds is stopped as timeout (default 120)",
         "S",
+        level2=True,
     )
     autotune_max_trials: int | None = flag_field(
         _whole_number(2, None, "an integer of at least 2"),
         "level 2: at most N trials (default 20)",
         "N",
+        level2=True,
     )
     autotune_metric: str | None = flag_field(
         _choice(*METRICS),
         "level 2: throughput (samples a second, maximised; default) or latency (seconds a "
         "step, minimised)",
         "{throughput,latency}",
+        level2=True,
     )
     autotune_allow_batch_change: bool = flag_field(
         _bool,
         "level 2: the global batch may change (it is held fixed otherwise)",
         kind="switch",
         default=False,
+        level2=True,
     )
     autotune_resume: Path | None = flag_field(
-        _results_to_resume, "level 2: reuse the trials already measured in DIR", "DIR"
+        _results_to_resume, "level 2: reuse the trials already measured in DIR", "DIR", level2=True
     )
 
     @property
@@ -456,6 +470,12 @@ def _config_file_values(path: str) -> dict[str, Any]:
 
 #: Unknown keys named in one error, at most (a file that is no config may hold hundreds).
 _UNKNOWN_SHOWN = 5
+#: What a DeepSpeed autotuner user's config section means here (rather than a near-miss name).
+_DEEPSPEED_AUTOTUNING = (
+    "is DeepSpeed's autotuner section: give arg_mappings at the top level, and its other "
+    "settings as flags (--autotune_level 2, --autotune_metric, --autotune_results_dir, "
+    "--autotune_max_trials)"
+)
 
 
 def _unknown_keys(unknown: list[str], known: set[str]) -> str:
@@ -463,7 +483,10 @@ def _unknown_keys(unknown: list[str], known: set[str]) -> str:
     shown = []
     for key in unknown[:_UNKNOWN_SHOWN]:
         close = difflib.get_close_matches(key, known, n=1)
-        shown.append(f"{key[:60]!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        if key == "autotuning":
+            shown.append(f"'autotuning' ({_DEEPSPEED_AUTOTUNING})")
+        else:
+            shown.append(f"{key[:60]!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     more = len(unknown) - _UNKNOWN_SHOWN
     return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
 
@@ -501,7 +524,26 @@ def options_from_args(args: argparse.Namespace) -> AutotuneOptions:
             values[dest] = given
     options = AutotuneOptions(**values)
     _check_tuning_ranges(options)
+    trials_only = [
+        dest for dest, flag in flags() if flag.level2 and getattr(args, dest) is not None
+    ]
+    if trials_only and options.autotune_level != 2:
+        raise OptionError(
+            f"argument --{trials_only[0]}: only level 2 runs trials, and this job is level "
+            f"{options.autotune_level}: add --autotune_level 2, or leave it out"
+        )
     return options
+
+
+def local_world_size(args: argparse.Namespace) -> int:
+    """The ranks this node runs: ``--nproc_per_node``, a device keyword resolved on this
+    machine (``gpu`` where CUDA is missing is an OptionError, not torch's traceback)."""
+    try:
+        return int(determine_local_world_size(args.nproc_per_node))
+    except ValueError as error:
+        raise OptionError(
+            f"argument --nproc_per_node: {args.nproc_per_node!r} on this machine: {error}"
+        ) from None
 
 
 def check_torchrun_flags(args: argparse.Namespace) -> None:
@@ -526,6 +568,13 @@ def check_torchrun_flags(args: argparse.Namespace) -> None:
                 "argument --nproc_per_node: must be a number of processes or one of auto, cpu, "
                 f"gpu, xpu, got {args.nproc_per_node!r}"
             )
+    if args.standalone and min_nodes > 1:
+        # torch would wait for the other nodes at a rendezvous on a random local port, which
+        # no other node can know: until its join time-out, 10 minutes.
+        raise OptionError(
+            f"argument --standalone: runs one node, but --nnodes {args.nnodes} waits for "
+            f"{min_nodes}; drop --standalone and give a rendezvous every node reaches"
+        )
     if args.max_restarts < 0:
         raise OptionError(f"argument --max_restarts: must be 0 or more, got {args.max_restarts}")
     try:

@@ -14,9 +14,9 @@ import os
 import secrets
 from dataclasses import dataclass, field, replace
 
-from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
+from torch.distributed.run import parse_min_max_nnodes
 
-from distune.launcher.options import AutotuneOptions, OptionError
+from distune.launcher.options import AutotuneOptions, OptionError, local_world_size
 from distune.launcher.placement import ServicePlacement, place_service
 from distune.service_auth import SERVICE_TOKEN_FILE, TokenError, token_from_environment
 from distune.space import DEFAULT_BUCKET_SIZE, bucket_size_2p_for
@@ -66,11 +66,7 @@ def _sync_interval_from_environment() -> float:
 
 def _hierarchical_possible(args: argparse.Namespace) -> bool:
     _, max_nodes = parse_min_max_nnodes(args.nnodes)
-    return (
-        max_nodes > 1
-        and not args.standalone
-        and determine_local_world_size(args.nproc_per_node) > 1
-    )
+    return max_nodes > 1 and not args.standalone and local_world_size(args) > 1
 
 
 def _service_args(options: AutotuneOptions, placement: ServicePlacement) -> tuple[str, ...]:

@@ -1,4 +1,5 @@
-"""SIGTERM, SIGINT and SIGHUP to the launcher: stop everything, even where Python cannot listen.
+"""SIGTERM, SIGINT, SIGHUP and SIGQUIT to the launcher: stop everything, even where Python
+cannot listen.
 
 Python runs a signal handler only when the main thread is back in the interpreter. torch's
 elastic agent spends its rendezvous inside C++ (a TCPStore waiting for the other nodes), where a
@@ -28,7 +29,9 @@ from types import FrameType
 
 from torch.distributed.elastic.multiprocessing import SignalException
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: torchrun's own stop signals (its ``--signals_to_handle`` default): SIGQUIT (Ctrl-\) too,
+#: which would otherwise end the launcher with a core dump and leave a level-2 trial running.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 #: Seconds without workers and without cleanup, after a stop signal, before the watchdog acts.
 DEFAULT_GRACE = 5.0
 _POLL = 0.1

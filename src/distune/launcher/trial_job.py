@@ -1,8 +1,11 @@
-"""One level-2 trial's job: ``python -m distune.launcher.trial_job SPEC``.
+"""One level-2 trial's job: ``python -m distune.launcher.trial_job SPEC LAUNCHER_PID``.
 
 The launcher starts this in a session of its own, so that it can stop the trial (this process,
 torch's elastic agent, and the ranks it spawns) by their ids without touching itself. SPEC is a
 JSON file of torchrun's parsed arguments; the trial's configuration is in the environment.
+A session of its own also means no signal to the launcher reaches it: where the launcher ends
+without stopping it (SIGKILL, the kernel's OOM killer), the kernel sends it SIGTERM
+(``PR_SET_PDEATHSIG``, Linux), on which torch's agent stops its ranks.
 When a rank fails, the first failure (its rank, local rank and exit code) is written as JSON to
 ``failure.json`` beside SPEC, so the launcher finds that rank's own output without reading the
 log.
@@ -11,25 +14,43 @@ log.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from distune.launcher.trial_runner import FAILURE_FILE
+from distune.launcher.trial_runner import FAILURE_FILE, failure_exit_code
+
+#: prctl's option: the signal this process gets when its parent ends.
+_PR_SET_PDEATHSIG = 1
+
+
+def end_with_launcher(launcher: int) -> None:
+    """Have the kernel send this process SIGTERM when the launcher (pid ``launcher``, its
+    parent) ends, however it ends; at once where it has ended already. Linux only."""
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != launcher:  # it ended before the request was in place
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def main(argv: list[str]) -> int:
     """Run the ranks; the exit code is the first failed rank's (128 + N for signal N)."""
+    if len(argv) > 1:
+        end_with_launcher(int(argv[1]))
     args = argparse.Namespace(**json.loads(Path(argv[0]).read_text(encoding="utf-8")))
     try:
         torchrun.run(args)
     except ChildFailedError as error:
         print(error.format_msg(), file=sys.stderr, flush=True)
         rank, failure = error.get_first_failure()
-        code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+        code = failure_exit_code(error)
         first = {"rank": rank, "local_rank": failure.local_rank, "exit_code": code}
         Path(argv[0]).with_name(FAILURE_FILE).write_text(json.dumps(first), encoding="utf-8")
         return code

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser
 
 from distune.trial_settings import TRIAL_DIR, TrialSettings
@@ -64,6 +65,12 @@ class TrialRun:
     log_path: Path
     peak_memory_bytes: int | None = None
     stopped: str | None = None
+
+
+def failure_exit_code(error: ChildFailedError) -> int:
+    """The exit code of the first failed rank, as a shell reports it (128 + N for signal N)."""
+    _, failure = error.get_first_failure()
+    return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
 
 
 def read_json_object(path: Path) -> dict[str, Any] | None:
@@ -114,7 +121,8 @@ def classify(
     return CRASH, log_tail or f"exit status {exit_code}"
 
 
-def _descendants(pid: int) -> set[int]:
+def descendants(pid: int) -> set[int]:
+    """The pids of ``pid``'s children, theirs, and so on, from /proc (empty where absent)."""
     found: set[int] = set()
     pending = [pid]
     while pending:
@@ -231,7 +239,13 @@ class TrialRunner:
         timed_out, stopped = False, None
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "distune.launcher.trial_job", str(spec_path)],
+                [
+                    sys.executable,
+                    "-m",
+                    "distune.launcher.trial_job",
+                    str(spec_path),
+                    str(os.getpid()),
+                ],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -249,6 +263,13 @@ class TrialRunner:
         outcome, error = classify(
             exit_code, timed_out, reports, result, failure_tail(trial_dir), self.node_rank == 0
         )
+        if outcome == TIMEOUT and not any(trial_dir.glob("pid.*")):
+            # Each rank writes its pid file once distune measures it: none did.
+            error = (
+                "no rank reached distune.prepare or distune.DistributedDataParallel within the "
+                f"trial time-out ({self.trial_timeout:g} s): the script hangs before it (in its "
+                "start-up or its process group's rendezvous), or uses neither"
+            )
         peaks = [int(r["peak_memory_bytes"]) for r in reports if r.get("peak_memory_bytes")]
         return TrialRun(
             outcome=outcome,
@@ -294,7 +315,7 @@ class TrialRunner:
 
     def _stop(self, process: subprocess.Popen, trial_dir: Path) -> None:
         """Stop the trial's agent and ranks by their ids, gently first."""
-        pids = _descendants(process.pid)
+        pids = descendants(process.pid)
         for pid_file in trial_dir.glob("pid.*"):
             with contextlib.suppress(OSError, ValueError):
                 rank_pid = int(pid_file.read_text())
@@ -306,7 +327,7 @@ class TrialRunner:
         while time.monotonic() < deadline and (
             process.poll() is None or any(_alive(p) for p in pids)
         ):
-            pids |= _descendants(process.pid) if process.poll() is None else set()
+            pids |= descendants(process.pid) if process.poll() is None else set()
             time.sleep(_POLL)
         for pid in [process.pid, *pids]:
             with contextlib.suppress(ProcessLookupError, PermissionError):

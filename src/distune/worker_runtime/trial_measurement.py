@@ -138,6 +138,8 @@ class TrialMeasurement:
         self._block_start: dict[int, int] = {}
         self._blocks_kept = self._blocks_input = self._block_max = 0
         self._checkpointed_bytes = 0
+        #: Whether the first training forward is checked against the micro-batch (prepare's).
+        self._check_micro_batch = True
 
     def attach(
         self,
@@ -159,9 +161,27 @@ class TrialMeasurement:
                 module.register_forward_hook(self._after_block)
         (self.trial_dir / f"pid.{self.rank}").write_text(str(os.getpid()), encoding="utf-8")
 
-    def _before_forward(self, *_: Any) -> None:
+    def _before_forward(self, _module: nn.Module, inputs: tuple[Any, ...]) -> None:
+        if self._check_micro_batch and torch.is_grad_enabled():
+            self._check_first_input(inputs)
         self._forward_start = self.meter.live_bytes()
         self._blocks_kept = self._blocks_input = self._block_max = 0
+
+    def _check_first_input(self, inputs: tuple[Any, ...]) -> None:
+        """The first training forward's input must hold the trial's micro-batch somewhere in
+        its shape: a script that built its batches from its own flags, not from the micro-batch
+        ``prepare`` returned, would be measured as a configuration it never ran."""
+        self._check_micro_batch = False  # once: the first forward says how batches are built
+        first = next(
+            (t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0), None
+        )
+        if first is not None and self.micro_batch not in first.shape:
+            raise TrialStepError(
+                f"distune trial: distune.prepare set the micro-batch to {self.micro_batch}, but "
+                f"the model's first forward took an input of shape {tuple(first.shape)}: build "
+                "each micro-batch with run.micro_batch_size samples, and run "
+                "run.gradient_accumulation_steps of them a step, not the script's own values"
+            )
 
     def _after_forward(self, *_: Any) -> None:
         # What the forward left alive is what autograd saved for backward: the activations.
@@ -280,6 +300,7 @@ class WrapperMeasurement(TrialMeasurement):
             device=device,
             describe=self._describe_wrapper,
         )
+        self._check_micro_batch = False  # learned from the forwards, and checked there
         self._settings = settings
         self._params = params
         self._forwards = 0

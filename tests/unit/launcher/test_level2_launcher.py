@@ -93,16 +93,40 @@ def test_the_best_command_keeps_torchrun_flags_and_turns_tuning_off() -> None:
     command = command_without_tuning(argv, args, Path("/r/best_config.json"))
     assert command == [
         "distune-run",
-        "--nproc_per_node",
-        "2",
         "--autotune_level",
         "0",
         "--autotune_config",
         "/r/best_config.json",
+        "--nproc_per_node",
+        "2",
         "train.py",
         "--autotune_level",
         "7",
     ]
+
+
+@pytest.mark.parametrize(
+    "launcher",
+    [
+        ["--nproc_per_node", "2", "--autotune_level", "2", "--"],  # the script after a --
+        ["--nproc_per_node", "2", "--autotune_level=2", "-m"],  # a module
+        ["--no-python", "--autotune-level", "2", "--autotune_config", "CONFIG"],
+    ],
+)
+def test_the_best_command_runs_the_same_script_with_tuning_off(launcher, tmp_path) -> None:
+    best = tmp_path / "best config.json"
+    best.write_text("{}")
+    launcher = [str(best) if arg == "CONFIG" else arg for arg in launcher]
+    argv = [*launcher, "train.py", "--message", "two words", "--autotune_level", "1"]
+    args, _ = parse(argv)
+    command = command_without_tuning(argv, args, best)
+    again, options = parse(command[1:])
+    assert (again.training_script, again.training_script_args) == (
+        args.training_script,
+        args.training_script_args,
+    )
+    assert (again.module, again.no_python) == (args.module, args.no_python)
+    assert (options.autotune_level, again.autotune_config) == (0, str(best))
 
 
 def test_level2_flags_and_config_keys(tmp_path: Path) -> None:
@@ -198,6 +222,21 @@ def test_bad_deepspeed_style_keys_exit_2_before_anything_starts(
     assert "tuning service" not in out  # refused before the service started
 
 
+@pytest.mark.parametrize("level", ["0", "1"])
+def test_a_best_config_run_on_other_ranks_than_it_was_tuned_on_is_refused(
+    tmp_path, level, capsys
+) -> None:
+    best = TrialConfig(8, 1, 0, False).to_config(2)  # tuned on 2 ranks: global batch 16
+    path = tmp_path / "best_config.json"
+    path.write_text(json.dumps(best))
+    argv = ["--nproc_per_node", "4", "--autotune_level", level, "--autotune_config", str(path)]
+    assert main([*argv, "t.py"]) == 2
+    assert capsys.readouterr().err == (
+        "distune-run: error: --autotune_config: train_batch_size 16 is not "
+        "train_micro_batch_size_per_gpu 8 x gradient_accumulation_steps 1 x 4 ranks\n"
+    )
+
+
 def test_auto_batch_keys_of_a_trainer_deepspeed_config_are_distunes_to_choose(tmp_path) -> None:
     path = tmp_path / "ds_config.json"
     auto = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
@@ -265,6 +304,45 @@ def test_level2_refuses_a_results_dir_already_used(tmp_path: Path) -> None:
     ]
     args, options = parse(argv)
     with pytest.raises(OptionError, match=r"already holds trials\.jsonl"):
+        Level2(args, options, TrialPins(), argv, TrialClient("http://127.0.0.1:9"))
+
+
+def test_a_used_results_dir_is_refused_before_anything_starts_unless_resumed_in_place(
+    tmp_path: Path, capsys
+) -> None:
+    from distune.launcher.level2 import check_results_dir
+    from distune.launcher.options import OptionError
+
+    used = tmp_path / "results"
+    used.mkdir()
+    (used / "trials.jsonl").write_text("")
+    (tmp_path / "elsewhere").mkdir()
+    argv = ["--nproc_per_node", "2", "--autotune_level", "2", "--autotune_results_dir", str(used)]
+    assert main([*argv, "t.py"]) == 2
+    out, err = capsys.readouterr()
+    assert "already holds trials.jsonl" in err and "tuning service" not in out
+    # The same directory spelled another way is resumed in place.
+    again = tmp_path / "elsewhere" / ".." / "results"
+    _, options = parse([*argv, "--autotune_resume", str(again), "t.py"])
+    check_results_dir(options)
+    # A run still at its first trial (job.json, no trials.jsonl yet) is not joined by another.
+    running = tmp_path / "running"
+    running.mkdir()
+    (running / "job.json").write_text("{}")
+    _, options = parse([*argv[:-1], str(running), "t.py"])
+    with pytest.raises(OptionError, match=r"already holds job\.json of a level-2 run"):
+        check_results_dir(options)
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_results_dir_that_cannot_be_made_is_an_option_error() -> None:
+    from distune.launcher.level2 import Level2
+    from distune.launcher.options import OptionError
+    from distune.launcher.trial_client import TrialClient
+
+    argv = ["--autotune_level", "2", "--autotune_results_dir", "/proc/distune_results", "t.py"]
+    args, options = parse(argv)
+    with pytest.raises(OptionError, match=r"^--autotune_results_dir /proc/distune_results: "):
         Level2(args, options, TrialPins(), argv, TrialClient("http://127.0.0.1:9"))
 
 

@@ -3,7 +3,9 @@
 import json
 
 import pytest
+import torch
 
+from distune.launcher.main import main
 from distune.launcher.options import AutotuneOptions, parse
 
 
@@ -117,6 +119,10 @@ def test_hierarchical_off(spelling):
         (["--local-ranks-filter", "0,x"], "argument --local_ranks_filter: must be local ranks separated by commas"),
         (["--logs-specs", "nope"], "argument --logs_specs: Could not find entrypoint"),
         (["--no-python", "-m"], "arguments --no-python and --module (-m) cannot be used together"),
+        (["--standalone", "--nnodes", "2"], "argument --standalone: runs one node, but --nnodes 2 waits for 2"),
+        # level 2's flags do nothing at another level: refused, not silently ignored
+        (["--autotune_mode", "tune"], "argument --autotune_mode: only level 2 runs trials, and this job is level 0: add --autotune_level 2, or leave it out"),
+        (["--autotune_level", "1", "--autotune-max-trials", "5"], "argument --autotune_max_trials: only level 2 runs trials, and this job is level 1"),
     ],
 )  # fmt: skip
 def test_invalid_values_exit_2_with_one_line_naming_the_flag(argv, message, capsys):
@@ -173,6 +179,11 @@ def test_best_file_is_a_config_file(tmp_path):
             "you mean 'bucket_size'?)",
         ),
         ("".join(f"k{i}: 1\n" for i in range(9)), "'k4' and 4 more in"),
+        (
+            "autotuning: {enabled: true, arg_mappings: {train_micro_batch_size_per_gpu: --bs}}\n",
+            "unknown key(s) 'autotuning' (is DeepSpeed's autotuner section: give arg_mappings at "
+            "the top level, and its other settings as flags (--autotune_level 2",
+        ),
         ("autotune_warmup_time: -2\n", "autotune_warmup_time must be a positive number of seconds"),
         ("bucket_size: true\n", "bucket_size must be a positive whole number of bytes, got True"),
         (
@@ -193,6 +204,13 @@ def test_bad_config_files_exit_2_naming_the_key(tmp_path, text, message, capsys)
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert message in err
+
+
+def test_a_config_file_may_hold_level_2_settings_for_a_run_at_another_level(tmp_path):
+    config = tmp_path / "shared.yaml"
+    config.write_text("autotune_max_trials: 8\nautotune_metric: latency\n")
+    _, options = parse(["--autotune_level", "1", "--autotune_config", str(config), "t.py"])
+    assert (options.autotune_level, options.autotune_max_trials) == (1, 8)
 
 
 def test_quiet_flag_and_config_key(tmp_path):
@@ -217,3 +235,13 @@ def test_device_keywords_for_nproc_per_node_are_left_to_the_machine_that_runs_th
     # A recipe for GPU nodes is planned and tested on machines without one.
     for keyword in ("gpu", "cpu", "auto", "xpu"):
         assert parse(["--nproc_per_node", keyword, "t.py"])[0].nproc_per_node == keyword
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="'gpu' resolves on a machine with CUDA")
+@pytest.mark.parametrize("level", ["0", "1", "2"])
+def test_a_device_keyword_this_machine_lacks_exits_2_at_any_level(level, capsys):
+    assert main(["--nproc_per_node", "gpu", "--autotune_level", level, "train.py"]) == 2
+    assert capsys.readouterr().err == (
+        "distune-run: error: argument --nproc_per_node: 'gpu' on this machine: "
+        "Cuda is not available.\n"
+    )

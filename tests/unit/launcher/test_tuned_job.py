@@ -81,3 +81,46 @@ def test_a_results_directory_from_before_job_json_cannot_be_checked(tmp_path):
     results = earlier_run(tmp_path, ["train.py"])
     (results / JOB_FILE).unlink()
     assert resume(results, ["other.py"]) is False
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        ('{"trial": 1, "config": {"train_micro_batch_size_per_gpu": 8}', "JSONDecodeError"),
+        ('{"trial": 1, "outcome": "ok"}', "KeyError: 'config'"),
+        ('{"trial": 1, "config": {"train_micro_batch_size_per_gpu": 2}}', "TrialConfigError"),
+    ],
+)
+def test_a_results_directory_with_a_broken_trial_line_exits_2_naming_it(
+    tmp_path, line, why, capsys
+):
+    results = earlier_run(tmp_path, ["train.py"])
+    (results / "trials.jsonl").write_text(line + "\n")
+    assert main(["--autotune_level", "2", "--autotune_resume", str(results), "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"distune-run: error: --autotune_resume: {results / 'trials.jsonl'} line 1 is not a "
+        f"trial record ({why}"
+    )
+
+
+def test_resuming_in_place_keeps_every_earlier_record(tmp_path):
+    from distune.launcher.level2 import Level2
+    from distune.launcher.trial_client import TrialClient
+    from distune.tuning_service.trials.trial_config import TrialConfig
+    from distune.tuning_service.trials.trial_result import TrialResult
+
+    results = earlier_run(tmp_path, ["--nproc_per_node", "2", "train.py"])
+    record = TrialResult(0, TrialConfig(2, 4, 0, False), 2, "crash", "profile", error="boom")
+    lines = json.dumps(record.to_json()) + "\n"
+    (results / "trials.jsonl").write_text(lines)
+    argv = [
+        "--nproc_per_node", "2", "--autotune_level", "2", "--autotune_resume", str(results),
+        "--autotune_results_dir", str(results), "train.py",
+    ]  # fmt: skip
+    args, options = parse(argv)
+    level2 = Level2(args, options, trial_pins(args), argv, TrialClient("http://127.0.0.1:9"))
+    assert level2.earlier == [record]
+    # The records are written again as they are reused; until then they are kept beside.
+    assert not (results / "trials.jsonl").exists()
+    assert (results / "trials.before-resume-1.jsonl").read_text() == lines
