@@ -2,9 +2,10 @@
 
 * lost rows: every sample the service had finished before it died (what its ``/log`` served
   just before the fault) is in the CSV file, with the same values; no row is torn;
-* samples measured twice: sample numbers run 1, 2, ... without a repeat or a gap; a group is
-  measured at most once by the search and at most once more to confirm it (a restarted job
-  resumes its session instead of starting the search again);
+* samples measured twice: sample numbers run 1, 2, ... without going back or a gap (a close
+  call's legs share their sample's number and alternate its two groups); a group is measured
+  at most once by the search (a restarted job resumes its session instead of starting the
+  search again);
 * the dead service reported once: one launcher notice that it died, and the group the model
   keeps named (by the leader's warning, or by the notice for a model that had completed, or by
   both when the service died between completing the model and the leader learning of it), and
@@ -17,6 +18,7 @@ import csv
 import io
 import re
 from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 
 #: The launcher's line when its tuning service dies under the job.
@@ -60,28 +62,32 @@ def lost_rows(served_before: str | None, path: Path) -> int:
 
 
 def repeated_samples(rows: list[dict[str, str]]) -> list[str]:
-    """What in the log shows a sample measured twice (empty when nothing does)."""
+    """What in the log shows a sample measured twice (empty when nothing does).
+
+    A close call's sample of the budget is measured in legs that alternate its two groups,
+    each leg a row with the sample's number; so a number may repeat on consecutive rows, but
+    never with the same group twice in a row, and the numbers never go back."""
     samples = sample_rows(rows)
     problems = []
     numbers = [int(row["sample"]) for row in samples]
-    if numbers != list(range(1, len(numbers) + 1)):
+    if numbers != sorted(numbers) or sorted(set(numbers)) != list(range(1, len(set(numbers)) + 1)):
         problems.append(f"sample numbers {numbers}")
     if sum(row["phase"] == "default" for row in samples) > 1:
         problems.append("the default group sampled more than once")
-    searched = Counter(
-        (row["bucket_size_2p"], row["is_hierarchical_reduce"])
-        for row in samples
-        if row["phase"] != "confirm"
-    )
-    confirmed = Counter(
-        (row["bucket_size_2p"], row["is_hierarchical_reduce"])
-        for row in samples
-        if row["phase"] == "confirm"
-    )
-    for group, count in (searched + confirmed).items():
-        if searched[group] > 1 or confirmed[group] > 1:
-            problems.append(f"group 2^{group[0]} sampled {count} times")
+    searched = Counter(_group(row) for row in samples if row["phase"] != "confirm")
+    for group, count in searched.items():
+        if count > 1:
+            problems.append(f"group 2^{group[0]} searched {count} times")
+    for before, after in pairwise(samples):
+        if before["sample"] == after["sample"] and _group(before) == _group(after):
+            problems.append(
+                f"group 2^{after['bucket_size_2p']} measured twice in sample {after['sample']}"
+            )
     return problems
+
+
+def _group(row: dict[str, str]) -> tuple[str, str]:
+    return (row["bucket_size_2p"], row["is_hierarchical_reduce"])
 
 
 def death_notices(output: str) -> list[str]:
