@@ -14,6 +14,9 @@ from .conftest import SMALL_MLP
 
 pytestmark = pytest.mark.slow
 
+#: Long enough for three samples, one of them a close call (legs of 20 sampling times).
+JOB_SECONDS = "45"
+
 
 def free_port_pair() -> int:
     """A port P such that P and P + 1 (the service's) are free on loopback."""
@@ -35,6 +38,7 @@ def test_two_nodes_share_one_service_and_tune_with_a_fixed_bucket(launch, tmp_pa
         "--nnodes", "2", "--nproc_per_node", "2", "--rdzv_backend", "static",
         "--master_addr", "127.0.0.1", "--master_port", str(port),
         "--autotune_level", "1", "--autotune_config", str(config), *FAST_TUNING,
+        "--autotune_max_samples", "3",  # the default, hierarchical, one close call
     ]  # fmt: skip
     env = {"DISTUNE_SERVICE_TOKEN": "two-node-secret"}
     node0 = launch(
@@ -46,11 +50,11 @@ def test_two_nodes_share_one_service_and_tune_with_a_fixed_bucket(launch, tmp_pa
             str(log),
             *SMALL_MLP,
             "--seconds",
-            "25",
+            JOB_SECONDS,
         ],
         env,
     )
-    node1 = launch([*common, "--node_rank", "1", *SMALL_MLP, "--seconds", "25"], env)
+    node1 = launch([*common, "--node_rank", "1", *SMALL_MLP, "--seconds", JOB_SECONDS], env)
     assert node0.service_url() == f"http://127.0.0.1:{port + 1}"
     assert node0.wait(timeout=180) == 0, node0.output
     assert node1.wait(timeout=60) == 0, node1.output

@@ -99,6 +99,8 @@ def test_a_full_tuning_run_over_http_finds_the_peak(start_service, tmp_path):
 
     rows = list(csv.DictReader(log_file.open()))
     assert rows[0]["phase"] == "default"
-    assert rows[-1]["phase"] == "completed" and len(rows) == status["samples"] + 1
+    # A close call's legs are rows that share their budget sample's number.
+    assert rows[-1]["phase"] == "completed"
+    assert len({row["sample"] for row in rows[:-1]}) == status["samples"]
     assert service.get("/api/v1/models/model0/log").text == log_file.read_text()
     assert service.stop() == 0
