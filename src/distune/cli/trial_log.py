@@ -2,7 +2,8 @@
 
 Each line is one trial's record as the launcher wrote it (:class:`TrialResult`'s JSON: its
 configuration in DeepSpeed's keys, outcome, throughput, measured and predicted peak memory);
-the same reader ``--autotune_resume`` uses checks each. A damaged line is named by its number.
+the reader ``--autotune_resume`` uses too (:func:`parse_trial_lines`) checks each. A damaged
+line is named by its number.
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ import json
 from pathlib import Path
 
 from distune.cli import CommandError
-from distune.tuning_service.trials.trial_config import TrialConfigError
-from distune.tuning_service.trials.trial_result import TrialResult
+from distune.tuning_service.trials.trial_result import (
+    TrialRecordError,
+    TrialResult,
+    parse_trial_lines,
+)
 
 #: The file a level-2 results directory holds its trials in.
 TRIALS_FILE = "trials.jsonl"
@@ -45,23 +49,17 @@ def read_trials(path: Path) -> list[TrialResult]:
         raise TrialLogError(f"cannot read {path}: {error.strerror}") from None
     except UnicodeDecodeError:
         raise TrialLogError(f"{path} is not a text file") from None
-    trials = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            if not isinstance(record, dict):
-                raise TypeError(f"a JSON object, got {type(record).__name__}")
-            trials.append(TrialResult.from_json(record))
-        except json.JSONDecodeError as error:
-            raise TrialLogError(f"{path}, line {number}: not JSON ({error.msg})") from None
-        except KeyError as error:
+    try:
+        trials = parse_trial_lines(lines)
+    except TrialRecordError as error:
+        where = f"{path}, line {error.number}"
+        if isinstance(error.cause, json.JSONDecodeError):
+            raise TrialLogError(f"{where}: not JSON ({error.cause.msg})") from None
+        if isinstance(error.cause, KeyError):
             raise TrialLogError(
-                f"{path}, line {number}: not a trial record (no {error.args[0]!r})"
+                f"{where}: not a trial record (no {error.cause.args[0]!r})"
             ) from None
-        except (TypeError, ValueError, TrialConfigError) as error:
-            raise TrialLogError(f"{path}, line {number}: not a trial record: {error}") from None
+        raise TrialLogError(f"{where}: not a trial record: {error.cause}") from None
     if not trials:
         raise TrialLogError(f"{path} holds no trial")
     return trials

@@ -54,7 +54,9 @@ from distune.tuning_service.trials.trial_result import (
     OOM,
     THROUGHPUT,
     TIMEOUT,
+    TrialRecordError,
     TrialResult,
+    parse_trial_lines,
 )
 from distune.tuning_service.trials.trial_search import Proposal, TrialSearch
 from distune.tuning_service.trials.trial_space import TrialSpace
@@ -281,19 +283,14 @@ def earlier_results(directory: Path) -> list[TrialResult]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as error:
         raise OptionError(f"--autotune_resume: cannot read {path}: {error}") from None
-    results = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            results.append(TrialResult.from_json(json.loads(line)))
-        except (ValueError, KeyError, TypeError, AttributeError, TrialConfigError) as error:
-            raise OptionError(
-                f"--autotune_resume: {path} line {number} is not a trial record "
-                f"({type(error).__name__}: {error}); resume from an intact trials.jsonl or start "
-                "afresh"
-            ) from None
-    return results
+    try:
+        return parse_trial_lines(lines)
+    except TrialRecordError as error:
+        raise OptionError(
+            f"--autotune_resume: {path} line {error.number} is not a trial record "
+            f"({type(error.cause).__name__}: {error.cause}); resume from an intact trials.jsonl "
+            "or start afresh"
+        ) from None
 
 
 def check_batch_pins(pins: TrialPins, world_size: int, allow_batch_change: bool) -> None:

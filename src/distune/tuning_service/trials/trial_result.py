@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
-from distune.tuning_service.trials.trial_config import TrialConfig
+from distune.errors import DistuneError
+from distune.tuning_service.trials.trial_config import TrialConfig, TrialConfigError
 
 OK = "ok"
 OOM = "oom"
@@ -95,3 +97,31 @@ class TrialResult:
             batch_change=data.get("batch_change"),
             facts=data.get("facts"),
         )
+
+
+class TrialRecordError(DistuneError, ValueError):
+    """A line of a ``trials.jsonl`` that holds no trial record: its number (from 1) and why
+    (the JSON, type or configuration error), so each reader can word it for its own users."""
+
+    def __init__(self, number: int, cause: Exception) -> None:
+        super().__init__(f"line {number}: {cause}")
+        self.number = number
+        self.cause = cause
+
+
+def parse_trial_lines(lines: list[str]) -> list[TrialResult]:
+    """The trials of a ``trials.jsonl``'s lines, in order, blank lines skipped;
+    TrialRecordError for the first line that is not a trial record (a file edited or cut
+    short). ``--autotune_resume`` and ``distune plot``/``log`` both read with it."""
+    results = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise TypeError(f"a JSON object, got {type(record).__name__}")
+            results.append(TrialResult.from_json(record))
+        except (ValueError, KeyError, TypeError, AttributeError, TrialConfigError) as error:
+            raise TrialRecordError(number, error) from None
+    return results
