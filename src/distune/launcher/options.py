@@ -88,6 +88,17 @@ def _fraction(value: Any) -> float:
     return number
 
 
+def _multiple(value: Any) -> float:
+    """A number of times another setting, at least 1, from a number or its text."""
+    number = math.nan
+    if not isinstance(value, bool):
+        with contextlib.suppress(ValueError, TypeError):
+            number = float(str(value).strip())
+    if not (math.isfinite(number) and number >= 1.0):
+        raise InvalidValue(f"must be a number of at least 1, e.g. 5, got {value!r}")
+    return number
+
+
 def _bool(value: Any) -> bool:
     if not isinstance(value, bool):
         raise InvalidValue(f"must be true or false, got {value!r}")
@@ -241,6 +252,9 @@ class AutotuneOptions:
     )
     autotune_warmup_time: float | None = flag_field(
         positive_seconds, metavar="W", service="warmup_time"
+    )
+    autotune_close_call_time: float | None = flag_field(
+        _multiple, metavar="K", service="close_call_time"
     )
     autotune_retune_drift: float | None = flag_field(
         _fraction, metavar="FRACTION", service="retune_drift"

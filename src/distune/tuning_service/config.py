@@ -266,6 +266,8 @@ class TuningConfig:
         "proven) runs this many times sampling_confidence_time and min_windows, in legs of "
         "one sampling time that alternate the two",
         _number(1.0, 100.0),
+        metavar="K",
+        flag=True,
     )
     max_models: int = setting(
         256,

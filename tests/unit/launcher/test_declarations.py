@@ -76,6 +76,7 @@ def test_launcher_flags_reach_the_service_config_unchanged():
         "--autotune_warmup_time", "4",
         "--default_bucket_size", "1048576",
         "--autotune_retune_drift", "0.25",
+        "--autotune_close_call_time", "3",
         "t.py",
     ]  # fmt: skip
     args, options = parse(argv)
@@ -83,7 +84,7 @@ def test_launcher_flags_reach_the_service_config_unchanged():
     config = _config(_parser().parse_args(service_args))
     assert (config.max_samples, config.sampling_confidence_time) == (9, 2.5)
     assert (config.warmup_time, config.default_bucket_size) == (4.0, 2**20)
-    assert config.retune_drift == 0.25
+    assert (config.retune_drift, config.close_call_time) == (0.25, 3.0)
     tuned = {d.service for _, d in flags() if d.service in TuningConfig.__dataclass_fields__}
     assert tuned == {
         "max_samples",
@@ -91,6 +92,7 @@ def test_launcher_flags_reach_the_service_config_unchanged():
         "warmup_time",
         "default_bucket_size",
         "retune_drift",
+        "close_call_time",
     }
 
 
@@ -101,3 +103,8 @@ def test_a_value_the_service_would_refuse_is_refused_by_the_launcher_naming_the_
     assert "argument --autotune_max_samples: must be in [1, 10000], got 20000" in (
         capsys.readouterr().err
     )
+    with pytest.raises(SystemExit) as info:
+        parse(["--autotune_close_call_time", "0.5", "t.py"])
+    assert info.value.code == 2
+    error = capsys.readouterr().err
+    assert "--autotune_close_call_time" in error and "must be a number of at least 1" in error
