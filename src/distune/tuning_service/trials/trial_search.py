@@ -40,11 +40,11 @@ full-precision twin until a trial of its own has measured it. The rules:
   than the doubling before it: fixed costs per micro-batch are spread ever thinner). So a
   measured trial of the family, or of one that needs no more sharding and no more recomputation,
   bounds it at its own micro-batch, and at a larger one by its step time less the saving per
-  doubling that two measured micro-batches below showed, once per doubling. Trials near the
-  cap count only where the cap was seen not to slow a trial as full (its step down was not
-  clearly faster), since the cap may have slowed them. A trial whose bound is not above the
-  best configuration measured so far is not run (often the script's own start, where the job
-  is already near its best).
+  doubling that two measured micro-batches below showed, once per doubling (ddp and zero1,
+  which communicate once a step, share their savings; FSDP's stages save by their own). A
+  trial near the cap bounds nothing: the cap may have slowed it. Where the best configuration
+  measured so far (often the script's own start, where the job is already near its best) beats
+  a trial's bound by more than the spread of the trials behind either, it is not run.
 * **The choice, drift-proof.** Finally the two best configurations by their first measurements
   are measured once more, back to back (only those two: a drift of the machine's load between
   trials would otherwise chase every configuration measured once), and the two are compared
@@ -523,37 +523,29 @@ class TrialSearch:
             chain.append(below)
 
     def _unhurt_at(self, current: TrialResult) -> bool:
-        """Whether a trial at least as full as ``current`` was already seen unhurt by the cap
-        (:meth:`_cap_seen_harmless`). A step down asks whether the cap's pressure slows a
-        near-full trial; the pressure grows with the share of the cap in use, so where a fuller
-        trial was not slowed, ``current`` is not stepped down either."""
-        seen = self._cap_seen_harmless(current)
-        if seen is None:
-            return False
-        fuller, below = seen
-        decision = (
-            f"{current.config.describe()}: not stepped down, {below.config.describe()} was not "
-            f"faster than the fuller {fuller.config.describe()}"
-        )
-        if decision not in self.decisions:
-            self.decisions.append(decision)
-        return True
-
-    def _cap_seen_harmless(self, current: TrialResult) -> tuple[TrialResult, TrialResult] | None:
-        """A trial at least as full as ``current`` (``current`` itself included) whose family's
-        next smaller micro-batch ran ok and was not clearly faster, with that smaller trial:
-        the cap did not slow a trial as full (None: none seen)."""
+        """Whether a trial at least as full as ``current`` was already seen unhurt by the cap:
+        the next smaller micro-batch of its family ran and was not clearly faster. A step down
+        asks whether the cap's pressure slows a near-full trial; the pressure grows with the
+        share of the cap in use, so where a fuller trial was not slowed, ``current`` is not
+        stepped down either."""
         fullness = self._fullness(current)
         for result in self.results:
             config = result.config
             family = (config.stage, config.checkpointing, config.bf16)
-            if result.outcome != OK or self._fullness(result) < fullness:
+            if result.outcome != OK or result is current or self._fullness(result) < fullness:
                 continue
             tried = self._tried(family)
             below = [m for m, r in tried.items() if m < config.micro_batch and r.outcome == OK]
             if below and not clearly_better(tried[max(below)], result, self.metric):
-                return result, tried[max(below)]
-        return None
+                decision = (
+                    f"{current.config.describe()}: not stepped down, "
+                    f"{tried[max(below)].config.describe()} was not faster than the fuller "
+                    f"{config.describe()}"
+                )
+                if decision not in self.decisions:
+                    self.decisions.append(decision)
+                return True
+        return False
 
     def _fullness(self, result: TrialResult) -> float:
         """The share of the cap ``result``'s measured peak took (0 without either)."""
