@@ -39,14 +39,20 @@ def noise_table(table: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def noise_summary(table: dict[str, Any]) -> str:
-    """One line: how many configurations ran ok in two passes or more, and the median and
-    largest range of their passes over their mean."""
-    ranges = [
+def pass_ranges(table: dict[str, Any]) -> list[float]:
+    """The range of the passes over their mean of every configuration that ran ok in two
+    passes or more: how far two runs of one configuration land apart."""
+    return [
         relative_range(values)
         for row in table["rows"]
         if len(values := row.get("throughputs") or []) >= 2
     ]
+
+
+def noise_summary(table: dict[str, Any]) -> str:
+    """One line: how many configurations ran ok in two passes or more, and the median and
+    largest range of their passes over their mean."""
+    ranges = pass_ranges(table)
     if not ranges:
         return "no configuration ran ok in two passes"
     return (

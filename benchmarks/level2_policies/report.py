@@ -2,16 +2,19 @@
 
 The bar, for each real level-2 run of the grid: its choice is at least 0.97 of the grid's best,
 in fewer trials and less time than the DeepSpeed-style policy, and faster than hand-tuning (its
-choice has the higher grid throughput). A real run is judged against the policies replayed on
-the passes' mean; the replays on single passes show how much a policy's trials and choice move
-with the pass it happens to see.
+choice has the higher grid throughput by more than the grid's noise: two runs of one
+configuration land apart by the median range of its passes, so a smaller difference is a tie,
+not faster). A real run is judged against the policies replayed on the passes' mean; the
+replays on single passes show how much a policy's trials and choice move with the pass it
+happens to see.
 """
 
 from __future__ import annotations
 
+from statistics import median
 from typing import Any
 
-from benchmarks.level2_policies.noise import noise_summary
+from benchmarks.level2_policies.noise import noise_summary, pass_ranges
 from benchmarks.level2_policies.policies import (
     Choice,
     Grid,
@@ -28,6 +31,18 @@ BAR = 0.97
 
 def _met(ok: bool) -> str:
     return "met" if ok else "NOT met"
+
+
+def faster(value: float, other: float, noise: float | None) -> str:
+    """Whether ``value`` is faster than ``other`` by more than ``noise`` (a range over a mean,
+    as two runs of one configuration differ; None: never measured twice, so any difference
+    counts): "met", a tie, or "NOT met"."""
+    if value <= other:
+        return _met(False)
+    apart = (value - other) / ((value + other) / 2)
+    if noise is not None and apart <= noise:
+        return f"a tie, {apart:.1%} apart within the noise ({noise:.1%}): NOT met"
+    return _met(True)
 
 
 def _load_line(table: dict[str, Any]) -> str:
@@ -92,6 +107,8 @@ def verdict(table: dict[str, Any]) -> str:
     def named(choice: Choice) -> str:
         return choice.chosen.describe() if choice.chosen is not None else "nothing"
 
+    ranges = pass_ranges(table)
+    noise = median(ranges) if ranges else None
     lines = []
     for run, measured in zip(real_runs(table), table.get("level2_runs", []), strict=True):
         when = "a later run, NOT side by side" if measured.get("later") else "side by side"
@@ -106,7 +123,7 @@ def verdict(table: dict[str, Any]) -> str:
             f"{deepspeed.seconds:.0f} s{of_single_s}: {_met(run.seconds < deepspeed.seconds)}"
             + _priced(priced_seconds(grid, measured), deepspeed.seconds),
             f"- faster than hand-tuning ({named(hand)}): {share(run):.2f} against "
-            f"{share(hand):.2f} of the best: {_met(share(run) > share(hand))}",
+            f"{share(hand):.2f} of the best: {faster(share(run), share(hand), noise)}",
         ]
     if not lines:
         return "no real level-2 run in this grid (`measure --level2`, or `level2 GRID`)"

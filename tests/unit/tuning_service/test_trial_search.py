@@ -566,6 +566,61 @@ def test_a_stage_that_fits_no_larger_micro_batch_than_a_cheaper_one_is_skipped()
     assert any("zero1: skipped" in d for d in search.decisions)
 
 
+def bounded_search(cap: int) -> TrialSearch:
+    """Activations of 40 MiB a sample, checkpointed 12: under ``cap`` DDP fits micro-batch 4
+    well below the cap, ZeRO-1 fits 8, and checkpointed DDP 16."""
+    space = TrialSpace(TrialPins(), WORLD, BASELINE)
+    model = MemoryModel(replace(facts(40 * MiB), checkpointed_bytes_per_sample=12 * MiB))
+    return TrialSearch(space, model, cap, 30, THROUGHPUT)
+
+
+def test_nothing_that_cannot_beat_the_best_measured_is_run() -> None:
+    cap = 700 * MiB
+    for spread, runs_more in ((0.01, False), (0.05, True)):
+        search = bounded_search(cap)
+        # The script's own 2 x 8 and DDP's largest fitting micro-batch, both well below the
+        # cap: the larger micro-batch saved nothing.
+        scripted(search, BASELINE, 100.0, peak=485 * MiB, spread=spread)
+        proposal = search.next_trial()
+        assert proposal is not None and proposal.config == TrialConfig(4, 4, 0, False)
+        scripted(search, proposal.config, 98.0, peak=565 * MiB, spread=spread)
+        # ZeRO-1 at 8 and checkpointed DDP at 16 need no less work than DDP at 4 and can save
+        # no more per doubling than 2 -> 4 did (nothing): they can reach 98 at most, 2 % below
+        # the best measured. Within a 5 % spread that proves nothing, and they run.
+        proposal = search.next_trial()
+        assert proposal is not None
+        if runs_more:
+            assert proposal.config == TrialConfig(8, 2, 1, False)
+            continue
+        assert proposal.purpose == "remeasure"
+        said = "zero1, micro-batch 8 x 2: not run, it can reach 98 at most (from ddp, micro-batch"
+        assert any(d.startswith(said) for d in search.decisions)
+        assert any(
+            d.startswith("ddp, micro-batch 16 x 1, checkpointing: not run")
+            for d in search.decisions
+        )
+
+
+def test_a_bound_extrapolates_the_saving_per_doubling_and_ignores_trials_near_the_cap() -> None:
+    cap = 700 * MiB
+    search = bounded_search(cap)
+    scripted(search, BASELINE, 100.0, peak=485 * MiB)  # 0.32 s a step
+    scripted(search, TrialConfig(4, 4, 0, False), 128.0, peak=565 * MiB)  # 0.25 s: -0.07
+    scripted(search, TrialConfig(8, 2, 1, False), 80.0, peak=590 * MiB)  # 0.4 s
+    # ZeRO-2 at 16: ZeRO-1's 0.4 s at 8 less one doubling's 0.07 s at most.
+    bound = search.bound(TrialConfig(16, 1, 2, False))
+    assert bound is not None and bound.anchor.config == TrialConfig(8, 2, 1, False)
+    assert bound.value == pytest.approx(32 / 0.33)
+    # Checkpointed DDP at 16 from DDP's 0.25 s at 4, two doublings: 0.11 s, 291 samples/s.
+    bound = search.bound(TrialConfig(16, 1, 0, True))
+    assert bound is not None and bound.value == pytest.approx(32 / 0.11)
+    # A trial near the cap may have been slowed by it: it bounds nothing.
+    search = bounded_search(cap)
+    scripted(search, BASELINE, 100.0, peak=485 * MiB)
+    scripted(search, TrialConfig(4, 4, 0, False), 98.0, peak=650 * MiB)
+    assert search.bound(TrialConfig(8, 2, 1, False)) is None
+
+
 # -- mixed precision -------------------------------------------------------------------------
 
 

@@ -33,6 +33,18 @@ full-precision twin until a trial of its own has measured it. The rules:
   next such family gets one trial at that micro-batch (once per micro-batch and precision), and
   goes on only if it was faster.
 * A family whose trial crashed, hung or was invalid is given up.
+* **Nothing is run that cannot beat the best measured.** Before a search trial runs, its
+  throughput is bounded from above by what was measured, on two premises the rules above
+  already use: at one micro-batch sharding or recomputation only adds work, and a larger
+  micro-batch saves compute with diminishing returns (each doubling saves no more step time
+  than the doubling before it: fixed costs per micro-batch are spread ever thinner). So a
+  measured trial of the family, or of one that needs no more sharding and no more recomputation,
+  bounds it at its own micro-batch, and at a larger one by its step time less the saving per
+  doubling that two measured micro-batches below showed, once per doubling (ddp and zero1,
+  which communicate once a step, share their savings; FSDP's stages save by their own). A
+  trial near the cap bounds nothing: the cap may have slowed it. Where the best configuration
+  measured so far (often the script's own start, where the job is already near its best) beats
+  a trial's bound by more than the spread of the trials behind either, it is not run.
 * **The choice, drift-proof.** Finally the two best configurations by their first measurements
   are measured once more, back to back (only those two: a drift of the machine's load between
   trials would otherwise chase every configuration measured once), and the two are compared
@@ -45,6 +57,7 @@ full-precision twin until a trial of its own has measured it. The rules:
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Iterable
@@ -63,6 +76,11 @@ REMEASURED = 2
 REMEASURE = "remeasure"
 #: A family of configurations: (ZeRO stage, activation checkpointing, bf16).
 Family = tuple[int, bool, bool]
+#: Stages that communicate once an optimizer step whatever the accumulation (distune's DDP
+#: reduces in the last micro-step only; ZeRO-1 adds the parameters' broadcast after the step),
+#: so a larger micro-batch saves them the same compute; FSDP (ZeRO-2, -3) may communicate in
+#: every micro-step, so its saving is its own.
+PER_STEP_COMMUNICATION = (0, 1)
 
 
 def ranking(results: Iterable[TrialResult], metric: str) -> list[tuple[TrialConfig, float]]:
@@ -128,6 +146,16 @@ def clearly_better(result: TrialResult, other: TrialResult, metric: str) -> bool
     noise = max(result.throughput_spread or 0.0, other.throughput_spread or 0.0)
     value, base = result.value(metric), other.value(metric)
     return value - base > noise * abs(base)
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The most throughput an unmeasured configuration can reach by what was measured: the
+    trial it comes from, and the largest spread of the trials behind it."""
+
+    value: float
+    anchor: TrialResult
+    noise: float
 
 
 @dataclass(frozen=True)
@@ -262,7 +290,7 @@ class TrialSearch:
             if len(self.results) < self.max_trials - reserve:
                 for family in self.families():
                     proposal = self._next_in_family(*family)
-                    if proposal is not None:
+                    if proposal is not None and self._may_win(family, proposal.config):
                         return proposal
             self._remeasuring = True
         # Each of the best two by first measurements once more, back to back, and no more: a
@@ -273,6 +301,93 @@ class TrialSearch:
             if config not in again:
                 return Proposal(config, REMEASURE, self.predicted(config))
         return None
+
+    def _may_win(self, family: Family, config: TrialConfig) -> bool:
+        """Whether ``config`` may beat the best configuration measured so far: unless that
+        best beats ``config``'s bound (:meth:`bound`) by more than the noise (the largest
+        spread of the trials behind either), the trial runs. A family proposing it again is
+        passed over again; a larger micro-batch it comes to fit is bounded anew."""
+        bound = self.bound(config)
+        ranked = self.ranking()
+        if bound is None or math.isinf(bound.value) or not ranked:
+            return True
+        best, value = ranked[0]
+        spreads = [r.throughput_spread or 0.0 for r in self.results if r.config == best]
+        noise = max([bound.noise, *spreads])
+        if value - bound.value <= noise * bound.value:
+            return True
+        if self._relieving.pop(family, None) is not None:
+            self._given_up.add(family)
+        decision = (
+            f"{config.describe()}: not run, it can reach {bound.value:.4g} at most (from "
+            f"{bound.anchor.config.describe()}), and {best.describe()} measured {value:.4g}"
+        )
+        if decision not in self.decisions:
+            self.decisions.append(decision)
+        return False
+
+    def bound(self, config: TrialConfig) -> Bound | None:
+        """The most throughput ``config`` can reach by what was measured (None: nothing
+        bounds it, or the metric or the global batch is not fixed).
+
+        Any measured trial of ``config``'s family or of one that needs no more sharding and no
+        more recomputation (at one micro-batch they only add work), at ``config``'s micro-batch
+        or below, bounds it: its step time, less what the larger micro-batch can save, which
+        diminishing returns bound by the saving per doubling that two measured micro-batches
+        of one compute class showed at or below the anchor's (:meth:`_saving_per_doubling`),
+        once for each doubling from the anchor's micro-batch up. A trial near the cap bounds
+        nothing (:meth:`_anchors`)."""
+        if self.metric != THROUGHPUT or self.space.allow_batch_change:
+            return None
+        family = (config.stage, config.checkpointing, config.bf16)
+        bounds = []
+        for key in [family, *self._cheaper(family)]:
+            for micro, anchor in self._tried(key).items():
+                if micro > config.micro_batch or not self._anchors(anchor):
+                    continue
+                assert anchor.step_seconds is not None and anchor.throughput is not None
+                doublings = math.log2(config.micro_batch / micro)
+                saving = self._saving_per_doubling(key, micro) if doublings else (0.0, [])
+                if saving is None:
+                    continue
+                fastest = anchor.step_seconds - saving[0] * doublings
+                reach = (
+                    anchor.throughput * anchor.step_seconds / fastest if fastest > 0 else math.inf
+                )
+                behind = [anchor, *saving[1]]
+                noise = max(r.throughput_spread or 0.0 for r in behind)
+                bounds.append(Bound(reach, anchor, noise))
+        return min(bounds, key=lambda b: b.value, default=None)
+
+    def _anchors(self, result: TrialResult) -> bool:
+        """Whether ``result`` may bound other configurations: ok, measured in the search
+        (a re-measure's value is not compared on its own), and not near the cap, which may
+        have slowed it."""
+        if result.outcome != OK or result.step_seconds is None or result.purpose == REMEASURE:
+            return False
+        return not self._near_full(result)
+
+    def _saving_per_doubling(
+        self, family: Family, micro_batch: int
+    ) -> tuple[float, list[TrialResult]] | None:
+        """The most step time a doubling of the micro-batch saved, between two trials of
+        ``family``'s compute class (its own family, or for stages that communicate once a step
+        any such stage of the same checkpointing and precision) at or below ``micro_batch``,
+        both anchors, with the two (None: no two). Diminishing returns make it a bound on
+        every doubling above (never below 0: a larger micro-batch that was slower saves
+        nothing)."""
+        stage, checkpointing, bf16 = family
+        stages = PER_STEP_COMMUNICATION if stage in PER_STEP_COMMUNICATION else (stage,)
+        savings = []
+        for key in [(s, checkpointing, bf16) for s in stages if s in self.space.stages()]:
+            tried = self._tried(key)
+            below = sorted(m for m, r in tried.items() if m <= micro_batch and self._anchors(r))
+            for small, large in itertools.pairwise(below):
+                slow, fast = tried[small], tried[large]
+                assert slow.step_seconds is not None and fast.step_seconds is not None
+                per_doubling = (slow.step_seconds - fast.step_seconds) / math.log2(large / small)
+                savings.append((max(per_doubling, 0.0), [slow, fast]))
+        return max(savings, key=lambda s: s[0], default=None)
 
     def _tried(self, family: Family) -> dict[int, TrialResult]:
         return {
