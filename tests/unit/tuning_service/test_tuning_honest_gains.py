@@ -10,7 +10,7 @@ import pytest
 from distune.space import FixedKnobs, Hyperparameters, ModelFacts
 from distune.tuning_service.config import ConfigError, TuningConfig
 from distune.tuning_service.messages import Report
-from distune.tuning_service.session import Phase, State, TuningSession
+from distune.tuning_service.session import Phase, State, TuningSession, _score
 
 # Two groups: the bucket is fixed; flat (the default) or hierarchical.
 TWO_GROUPS = ModelFacts(world_size=4, nnodes=2, local_world_size=2, gradient_bytes=2**24)
@@ -476,3 +476,44 @@ class TestDrift:
     def test_a_drift_fraction_outside_0_1_is_refused_by_name(self, value):
         with pytest.raises(ConfigError, match=r"retune_drift must be in \(0, 1\]"):
             TuningConfig(retune_drift=value)
+
+
+class TestNoiseCache:
+    def test_the_cached_noise_and_scores_equal_a_fresh_computation_at_every_window(self):
+        """The window noise, the samples' spread and each group's scores are computed once
+        after each change of the measurements (a finished sample, a reopening), not at every
+        window and claim. Through a seeded session with a search, close calls in legs, a
+        completion and a reopening on drift, they equal a computation from scratch after
+        every report."""
+        rng = random.Random(11)
+        s = session(
+            fixed=FixedKnobs(),
+            max_samples=8,
+            close_call_time=3.0,
+            retune_drift=0.2,
+            retune_drift_time=5.0,
+            retune_samples=3,
+        )
+
+        def rate(hp):
+            return 100.0 * (1.02 if hp.is_hierarchical_reduce else 1.0) - abs(
+                hp.bucket_size_2p - 20
+            )
+
+        checked = 0
+        while s.view.retunes == 0 or s.view.state is not State.COMPLETED:
+            slow = 0.5 if s.view.state is State.COMPLETED else 1.0  # drifts once completed
+            send(s, slow * rate(s.view.current.hyperparameters) * math.exp(rng.gauss(0.0, 0.045)))
+            cached = s._noise()
+            window = s._pooled_window_sigma()
+            assert (cached.window, cached.sample, cached.freedom) == (
+                window,
+                *s._sample_sigma(window),
+            )
+            for group in s._measurements.values():
+                assert group.score == _score(group.windows)
+                assert group.judged_score == _score(group.judged()[0])
+            checked += bool(s._measurements)
+        samples = [r.sample for r in measured(s)]
+        assert s.view.retunes == 1 and checked > 100
+        assert len(set(samples)) < len(samples)  # a close call's legs share their sample
