@@ -810,13 +810,20 @@ class TuningSession:
         """Whether a confirmation of ``hp`` is a close call's sample (``close_call_time`` times
         as long, in legs): one of the challenger or of the default while the challenger's gain
         is not proven at the interim level. The budget counts samples, and a leg of the
-        challenger costs little while tuning."""
+        challenger costs little while tuning. So is the budget's last sample when it confirms
+        another group whose gain is not proven at that level (a runner-up scored above the
+        challenger): a plain sample of a few windows could not prove a gain of a few percent,
+        and an unproven group is never chosen over the default, so the last sample would
+        decide nothing; in legs against the default it can."""
         if self._best is None:
             return False
         challenger = self._challenger()
+        if hp != self.space.default and (
+            challenger is None or hp != challenger.group.hyperparameters
+        ):
+            claim = self._claim(hp, self._candidates(), _INTERIM_CONFIDENCE)
+            return self._budget_left <= 1 and not claim.measurably_faster
         if challenger is None:
-            return False
-        if hp not in (challenger.group.hyperparameters, self.space.default):
             return False
         return not self._clearly_faster(challenger)
 
@@ -911,7 +918,7 @@ class TuningSession:
             # The close call's budget sample goes on: its other group's leg.
             first, second = self._legs
             return (second if self._group.hyperparameters == first else first), Phase.CONFIRM
-        remaining = self._round_budget - (self._spent - self._round_start)
+        remaining = self._budget_left
         if self._after_default and remaining > 1:
             # A reopened session looks at its earlier choice right after the default.
             return self._after_default.pop(), Phase.INITIAL
@@ -933,7 +940,7 @@ class TuningSession:
         if to_confirm and room and (self._converged or not may_explore):
             return to_confirm[0], Phase.CONFIRM
         if self._converged or not may_explore:
-            return self._default_to_confirm(remaining)
+            return self._runner_up_first(remaining, self._default_to_confirm(remaining))
         try:
             suggestion = self._optimizer.suggest(self._sample_cost())
         except Exception:
@@ -951,6 +958,32 @@ class TuningSession:
                 return suggestion.hyperparameters, Phase.BAYES
         self._converged = True  # every group measured, or nothing left worth measuring
         return self._next_sample()
+
+    def _runner_up_first(
+        self, remaining: int, choice: tuple[Hyperparameters, Phase] | None
+    ) -> tuple[Hyperparameters, Phase] | None:
+        """A runner-up measured once, before completing with budget left, or before a close
+        call that leaves budget for one sample after the runners-up; else ``choice``.
+
+        A runner-up: a group measured once whose score lies within ``confirm_margin`` of the
+        best score. One sample's score is good to a few percent, so one scored below a
+        confirmed group, or below the default's lead, can be the best all the same; left
+        unconfirmed it can never be chosen (:meth:`_candidates`). During the search such
+        groups wait (:meth:`_contenders_to_confirm`): the budget goes to the comparison with
+        the default first. Budget the session would leave unused, or that a close call would
+        spend on two groups while a better one may be waiting, is theirs."""
+        if not self.config.confirm_top or remaining <= 0:
+            return choice
+        default = self._measurements[self.space.default]
+        if choice is not None and (default.samples < 2 or choice[1] is not Phase.CONFIRM):
+            return choice  # the default's second look goes first
+        top = max(m.score for m in self._measurements.values())
+        floor = top * (1.0 - self.config.confirm_margin)
+        ranked = sorted(self._measurements.items(), key=lambda item: item[1].score, reverse=True)
+        runners = [hp for hp, m in ranked if m.samples == 1 and m.score >= floor]
+        if runners and choice is None:
+            return runners[0], Phase.CONFIRM
+        return choice
 
     def _default_to_confirm(self, remaining: int) -> tuple[Hyperparameters, Phase] | None:
         """The default group again, if another group is about to be chosen over it on one
@@ -1001,6 +1034,11 @@ class TuningSession:
             return np.maximum(1.0, iterations * step * slowdown / floor)
 
         return cost
+
+    @property
+    def _budget_left(self) -> int:
+        """Samples of this round's budget not yet spent (a close call's legs make one)."""
+        return self._round_budget - (self._spent - self._round_start)
 
     @property
     def _stop_min_groups(self) -> int:

@@ -478,6 +478,78 @@ class TestDrift:
             TuningConfig(retune_drift=value)
 
 
+# A bucket range to search, flat only; the default is 2^24 B (25 MiB rounded, the range's top).
+FLAT_RANGE = FixedKnobs(is_hierarchical_reduce=False)
+
+
+def by_role(s: TuningSession, levels: dict) -> list:
+    """Report windows with a repeating ±4 % swing until the session completes: the default
+    group at ``levels["default"](n)``, the i-th other group the session measures at
+    ``levels[i](n)`` (n: that group's samples so far, a close call's legs included), any
+    other at 60 (ended early). Returns the other groups in the order first measured."""
+    swing = [1.0, 1.04, 0.96]
+    roles: list = []
+    samples: dict = {}
+    count, last_id = 0, None
+    while s.view.state is not State.COMPLETED:
+        group = s.view.current
+        hp = group.hyperparameters
+        if group.id != last_id:
+            samples[hp] = samples.get(hp, -1) + 1
+            last_id = group.id
+        if hp == s.space.default:
+            level = levels["default"]
+        else:
+            if hp not in roles:
+                roles.append(hp)
+            level = levels.get(roles.index(hp), lambda n: 60.0)
+        send(s, level(samples[hp]) * swing[count % 3])
+        count += 1
+    return roles
+
+
+class TestRunnersUp:
+    def test_a_runner_up_measured_once_is_confirmed_before_completing_with_budget_left(self):
+        """Group A (5 % faster) is proven at the interim level; runner-up B read 104.8 on its
+        one sample, below A's confirmed 105, but is truly 10 % faster. Before, the session
+        completed on A with budget left (B, measured once, could never be chosen); now that
+        budget confirms B, which is then chosen."""
+        s = session(fixed=FLAT_RANGE, max_samples=8)
+        a, b = by_role(
+            s,
+            {
+                "default": lambda n: 100.0,
+                0: lambda n: 105.0,
+                1: lambda n: 104.8 if n == 0 else 110.0,
+            },
+        )[:2]
+        assert s._measurements[a].samples > 2  # A's close call, in legs
+        assert b in {r.group.hyperparameters for r in measured(s) if r.sample == 8}
+        best = s.view.best
+        assert best.group.hyperparameters == b and best.measurably_faster
+
+    def test_the_budgets_last_sample_confirms_an_unproven_contender_in_legs(self):
+        """Budget 8: the close call of sample 7 measures A (first read 104.5, truly 103)
+        against the default; the last sample confirms contender B (first read 104, truly 6 %
+        faster). A plain sample of B (a few windows) could never prove its gain, and an
+        unproven group is not chosen over the default: so that sample is a close call of B
+        against the default, in legs, which proves it."""
+        s = session(fixed=FLAT_RANGE, max_samples=8)
+        b = by_role(
+            s,
+            {
+                "default": lambda n: 100.0,
+                0: lambda n: 104.5 if n == 0 else 103.0,
+                1: lambda n: 104.0 if n == 0 else 106.0,
+            },
+        )[1]
+        last = [r.group.hyperparameters for r in measured(s) if r.sample == 8]
+        assert last == [b, s.space.default] * (len(last) // 2) and len(last) > 2
+        best = s.view.best
+        assert best.group.hyperparameters == b and best.measurably_faster
+        assert best.gain_interval[0] < 0.06 < best.gain_interval[1]
+
+
 class TestNoiseCache:
     def test_the_cached_noise_and_scores_equal_a_fresh_computation_at_every_window(self):
         """The window noise, the samples' spread and each group's scores are computed once
