@@ -41,6 +41,7 @@ from benchmarks.tuner_quality.compare import (
     save_runs,
     shortfall_table,
     summary_table,
+    tuning_time_table,
 )
 from benchmarks.tuner_quality.landscapes import Landscape, standard_suite
 from benchmarks.tuner_quality.measurement import NoiseModel
@@ -153,6 +154,18 @@ def _saved_runs(
     return runs
 
 
+def _print_tuning_time(runs: list[Run], checkpoints: list[int]) -> None:
+    """The tuning time table, if the runs recorded their time."""
+    sample_seconds = TuningConfig().sampling_confidence_time
+    times = tuning_time_table(runs, checkpoints, sample_seconds)
+    if times:
+        print(
+            "\nTuning time (job seconds from warmup's end to completion) over the budget x "
+            f"the sampling time ({sample_seconds:g} s):\n"
+        )
+        print(times)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the comparison and print markdown tables (and JSON with --json)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tuner_quality")
@@ -263,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         if coverage:
             print("\nHow often the reported gain's 95% interval holds the true gain:\n")
             print(coverage)
+        _print_tuning_time(runs, checkpoints)
         if args.plot:
             percentile_plot(runs, args.plot, f"{what}: {len(landscapes)} landscapes x {seeds}")
         if args.json:

@@ -48,6 +48,9 @@ class Run:
     tuning_fractions: tuple[float, ...] = ()
     #: Whether the claimed gain's confidence interval holds the true gain (None: no claim).
     gain_covered: tuple[bool | None, ...] = ()
+    #: Job seconds from the end of warmup until tuning completed (runs saved before this
+    #: field was added have none).
+    tuning_seconds: tuple[float, ...] = ()
 
     def fraction_at(self, budget: int) -> float:
         """The kept group's fraction of the oracle with ``budget`` samples."""
@@ -87,7 +90,7 @@ def _tuning_fraction(landscape: Landscape, trajectory: Trajectory, budget: int) 
 
 def _run(task: tuple[Tuner, Landscape, tuple[int, ...], NoiseModel, int]) -> Run:
     tuner, landscape, budgets, noise, seed = task
-    fractions, used, gain_errors, tuning, covered = [], [], [], [], []
+    fractions, used, gain_errors, tuning, covered, seconds = [], [], [], [], [], []
     if tuner.budget_aware:
         for budget in budgets:
             trajectory = tuner.run(landscape, budget, noise, seed)
@@ -96,6 +99,7 @@ def _run(task: tuple[Tuner, Landscape, tuple[int, ...], NoiseModel, int]) -> Run
             gain_errors.append(_gain_error(landscape, trajectory))
             tuning.append(_tuning_fraction(landscape, trajectory, budget))
             covered.append(_gain_covered(landscape, trajectory))
+            seconds.append(trajectory.progress[budget - 1][1])
     else:  # one run with the largest budget; its choice after k samples is the k-budget one
         trajectory = tuner.run(landscape, max(budgets), noise, seed)
         for budget in budgets:
@@ -104,6 +108,7 @@ def _run(task: tuple[Tuner, Landscape, tuple[int, ...], NoiseModel, int]) -> Run
             gain_errors.append(None)  # no tuner of this kind reports a gain
             tuning.append(_tuning_fraction(landscape, trajectory, budget))
             covered.append(None)
+            seconds.append(trajectory.progress[budget - 1][1])
     return Run(
         tuner.name,
         landscape.name,
@@ -114,6 +119,7 @@ def _run(task: tuple[Tuner, Landscape, tuple[int, ...], NoiseModel, int]) -> Run
         tuple(gain_errors),
         tuple(tuning),
         tuple(covered),
+        tuple(seconds),
     )
 
 
@@ -296,6 +302,33 @@ def coverage_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
             flags = [r.gain_covered[index] for r in runs if r.tuner == tuner]
             flags = [f for f in flags if f is not None]
             cells.append(f"{sum(flags) / len(flags):.1%} of {len(flags)}" if flags else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def tuning_time_table(
+    runs: Sequence[Run], checkpoints: Sequence[int], sample_seconds: float
+) -> str:
+    """A markdown table: per tuner and budget, the job time tuning took (from the end of
+    warmup until completion) over the budget times the sampling time, mean / 95th percentile
+    / largest; empty if no run recorded its time."""
+    tuners = list(dict.fromkeys(r.tuner for r in runs if r.tuning_seconds))
+    if not tuners:
+        return ""
+    header = ["tuner", *(f"budget {k}: mean / 95th pct / max" for k in checkpoints)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for tuner in tuners:
+        cells = [tuner]
+        for k in checkpoints:
+            index = runs[0].budgets.index(k)
+            ratios = [
+                r.tuning_seconds[index] / (k * sample_seconds)
+                for r in runs
+                if r.tuner == tuner and r.tuning_seconds
+            ]
+            cells.append(
+                f"{statistics.fmean(ratios):.1f} / {percentile(ratios, 95):.1f} / {max(ratios):.1f}"
+            )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -15,6 +15,7 @@ from benchmarks.tuner_quality.compare import (
     gain_claim_table,
     shortfall_table,
     summary_table,
+    tuning_time_table,
 )
 from benchmarks.tuner_quality.landscapes import Landscape, hump_landscape, oracle_tables
 from benchmarks.tuner_quality.measurement import NoiseModel, SimulatedJob
@@ -204,6 +205,25 @@ def test_the_shortfall_table_counts_runs_below_each_bar() -> None:
     runs = [run(0, (0.96, 1.0)), run(1, (0.98, 0.995)), run(2, (1.0, 0.97))]
     table = shortfall_table(runs, [5, 8])
     assert table.splitlines()[-1] == "| distune | 1 / 2 of 3 | 0 / 1 of 3 |"
+
+
+def test_the_tuning_time_table_sets_it_against_the_budget_times_the_sampling_time() -> None:
+    """Each run records the job seconds tuning took; the table divides them by budget x T.
+    Runs saved before the field existed have none and are left out."""
+
+    def run(seed: int, seconds: tuple[float, ...]) -> Run:
+        return Run("distune", "a", seed, (5, 8), (1, 1), (5, 8), (None, None), (1, 1), (), seconds)
+
+    runs = [
+        run(0, (25.0, 80.0)),
+        run(1, (50.0, 40.0)),
+        Run("grid", "a", 0, (5, 8), (1, 1), (5, 8), (None, None)),
+    ]
+    table = tuning_time_table(runs, [5, 8], 5.0)
+    assert table.splitlines()[-1] == "| distune | 1.5 / 2.0 / 2.0 | 1.5 / 2.0 / 2.0 |"
+    assert "grid" not in table
+    (measured,) = compare([GridSearch()], draw(TRAINING_SEED, 1), 1, [5], NoiseModel())
+    assert 5 * 5.0 <= measured.tuning_seconds[0] < 5 * 5.0 * 1.5  # five samples of about T
 
 
 def test_saved_runs_without_the_checkpoints_asked_are_refused_naming_them(

@@ -64,6 +64,9 @@ def format_summary(
 def _gain(best: dict[str, Any]) -> str:
     """The gain over the default with its interval's half-width where the service gave one,
     and whether that interval leaves zero out: a gain within the noise is not a gain."""
+    if best.get("gain_vs_default") == 0 and best.get("gain_margin") == 0:
+        # The default group itself leads: there is no gain, and no interval to give.
+        return "none: the default group is the best measured"
     gain = format_gain(best.get("gain_vs_default"), "unknown", best.get("gain_margin"))
     if best.get("gain_margin") is None:
         return gain

@@ -258,7 +258,10 @@ class TuningConfig:
         _integer(0, 100),
     )
     confirm_margin: float = setting(
-        0.03, "runners-up within this fraction of the best are confirmed", _number(0.0, 1.0)
+        0.03,
+        "runners-up within this fraction of the best are confirmed; before completing with "
+        "budget left, every group measured once within it is",
+        _number(0.0, 1.0),
     )
     close_call_time: float = setting(
         20.0,

@@ -246,6 +246,34 @@ class _Measurements(_Windows):
     #: claimed from these windows alone, which that selection did not see.
     confirming: list[Window] = field(default_factory=list)
 
+    #: The trimmed means of ``windows`` and of the judged windows, kept as they change
+    #: (:meth:`add`): they are read at every window and every claim.
+    _scores: tuple[float, float] = (math.nan, math.nan)
+
+    def add(self, sample: _Sample, max_windows: int) -> None:
+        """Pool a finished sample's windows (merged in pairs past ``max_windows``)."""
+        self.windows = bounded(self.windows + sample.windows, max_windows)
+        if self.samples:
+            self.confirming = bounded(self.confirming + sample.windows, max_windows)
+        self.invalid += sample.invalid
+        self.samples += 1
+        if sample.windows:
+            # The sample's own robust score: a stall in one window moves it no more than the
+            # score the group is judged by.
+            self.sample_means.append((math.log(sample.score), len(sample.windows)))
+        if self.windows:
+            self._scores = (_score(self.windows), _score(self.judged()[0]))
+
+    @property
+    def score(self) -> float:
+        """The trimmed mean of every window of the group."""
+        return self._scores[0]
+
+    @property
+    def judged_score(self) -> float:
+        """The trimmed mean of the windows a gain is judged by (:meth:`judged`)."""
+        return self._scores[1]
+
     def judged(self) -> tuple[list[Window], int]:
         """The windows a gain is judged by, and how many samples they come from: the
         confirming ones once there are any (the first sample left out), else all."""
@@ -267,6 +295,16 @@ class _Sample(_Windows):
     #: The sample is a leg of a close call (see ``TuningSession._begin_legs``): it lasts
     #: ``close_call_time`` / legs times the sampling time and windows.
     close_call: bool = False
+
+
+@dataclass(frozen=True)
+class _Noise:
+    """What the measurements say of their noise, in log rate: a window's standard deviation,
+    the samples' own spread beyond it, and the degrees of freedom that spread rests on."""
+
+    window: float
+    sample: float
+    freedom: float
 
 
 #: A window's noise (standard deviation of its log rate) assumed before any group has two.
@@ -317,6 +355,8 @@ class TuningSession:
         self._discard_next = True
         self._counts_samples: bool | None = None
         self._measurements: dict[Hyperparameters, _Measurements] = {}
+        # What the measurements say of the noise; None: to compute (see _noise).
+        self._noise_cache: _Noise | None = None
         self._records: list[SampleRecord] = []
         self._best: Best | None = None
         self._converged = False
@@ -512,7 +552,21 @@ class TuningSession:
         sigma = self._window_sigma() * math.sqrt(1.0 + 1.0 / len(best.windows))
         return fastest < math.log(best.score) - config.early_end_z * sigma
 
+    def _noise(self) -> _Noise:
+        """The window noise and the samples' spread (:meth:`_pooled_window_sigma`,
+        :meth:`_sample_sigma`): both depend on the measurements alone, so they are computed
+        once after each change of them (a finished sample, a reopening), not at every window
+        and every claim, which made a long close call's session quadratic in its windows."""
+        if self._noise_cache is None:
+            window = self._pooled_window_sigma()
+            self._noise_cache = _Noise(window, *self._sample_sigma(window))
+        return self._noise_cache
+
     def _window_sigma(self) -> float:
+        """The standard deviation of a window's log rate (:meth:`_pooled_window_sigma`)."""
+        return self._noise().window
+
+    def _pooled_window_sigma(self) -> float:
         """The standard deviation of a window's log rate about its group's mean, pooled over
         every measured group (a prior guess until one has two windows). Robust: the median
         absolute deviation, each deviation scaled to the window's own variance, so a stall in
@@ -590,11 +644,11 @@ class TuningSession:
         base, base_samples = default.judged()
         if windows is base or windows is default.windows:
             return 0.0, (0.0, 0.0)
-        delta = math.log(score) - math.log(_score(base))
+        delta = math.log(score) - math.log(default.judged_score)
         confidence = self.config.gain_confidence if confidence is None else confidence
         miss = (1.0 - confidence) / max(1, comparisons)
-        window_sigma = self._window_sigma()
-        sample_sigma, freedom = self._sample_sigma(window_sigma)
+        noise = self._noise()
+        window_sigma, sample_sigma, freedom = noise.window, noise.sample, noise.freedom
         window_part = window_sigma**2 * sum(
             trimmed_variance_factor(len(side)) / len(side) for side in (windows, base)
         )
@@ -650,25 +704,16 @@ class TuningSession:
         hp = sample.group.hyperparameters
         score = sample.score
         measured = self._measurements.setdefault(hp, _Measurements())
-        measured.windows = bounded(measured.windows + sample.windows, self.config.max_windows)
-        if measured.samples:
-            measured.confirming = bounded(
-                measured.confirming + sample.windows, self.config.max_windows
-            )
-        measured.invalid += sample.invalid
-        measured.samples += 1
+        measured.add(sample, self.config.max_windows)
+        self._noise_cache = None  # the measurements changed
         self._learn_switch_cost(sample, score)
-        if sample.windows:
-            # The sample's own robust score: a stall in one window moves it no more than the
-            # score the group is judged by.
-            measured.sample_means.append((math.log(score), len(sample.windows)))
         if self._optimizer is not None and not self._converged:
             # The optimizer sees each group's pooled score: a re-measurement refines it.
             try:
                 self._optimizer.tell(hp, measured.score)
             except Exception:
                 self._stop_searching()
-        default_score = _score(self._measurements[self.space.default].judged()[0])
+        default_score = self._measurements[self.space.default].judged_score
         interval = self._gain_interval(sample.windows, score)
         records = [
             SampleRecord(
@@ -728,7 +773,7 @@ class TuningSession:
         comparisons = sum(other != default for other in candidates)
         measured = self._measurements[hp]
         windows, samples = measured.judged()
-        score = _score(windows)
+        score = measured.judged_score
         gain = self._gain_interval(windows, score, samples, comparisons, confidence)
         assert gain is not None  # the default group is measured first
         return Best(self._latest_group(hp), score, gain[0], _half_width(gain[1]), gain[1])
@@ -765,13 +810,20 @@ class TuningSession:
         """Whether a confirmation of ``hp`` is a close call's sample (``close_call_time`` times
         as long, in legs): one of the challenger or of the default while the challenger's gain
         is not proven at the interim level. The budget counts samples, and a leg of the
-        challenger costs little while tuning."""
+        challenger costs little while tuning. So is the budget's last sample when it confirms
+        another group whose gain is not proven at that level (a runner-up scored above the
+        challenger): a plain sample of a few windows could not prove a gain of a few percent,
+        and an unproven group is never chosen over the default, so the last sample would
+        decide nothing; in legs against the default it can."""
         if self._best is None:
             return False
         challenger = self._challenger()
+        if hp != self.space.default and (
+            challenger is None or hp != challenger.group.hyperparameters
+        ):
+            claim = self._claim(hp, self._candidates(), _INTERIM_CONFIDENCE)
+            return self._budget_left <= 1 and not claim.measurably_faster
         if challenger is None:
-            return False
-        if hp not in (challenger.group.hyperparameters, self.space.default):
             return False
         return not self._clearly_faster(challenger)
 
@@ -813,7 +865,7 @@ class TuningSession:
                 f"no group measurably faster than the default: differences within ±{within:.1%}"
             )
             measured = self._measurements[default]
-            score = _score(measured.judged()[0])
+            score = measured.judged_score
             best = Best(self._latest_group(default), score, 0.0, within, (-within, within))
         elif best.group.hyperparameters == default:
             self._verdict = "the default group is the fastest measured"
@@ -866,7 +918,7 @@ class TuningSession:
             # The close call's budget sample goes on: its other group's leg.
             first, second = self._legs
             return (second if self._group.hyperparameters == first else first), Phase.CONFIRM
-        remaining = self._round_budget - (self._spent - self._round_start)
+        remaining = self._budget_left
         if self._after_default and remaining > 1:
             # A reopened session looks at its earlier choice right after the default.
             return self._after_default.pop(), Phase.INITIAL
@@ -888,7 +940,7 @@ class TuningSession:
         if to_confirm and room and (self._converged or not may_explore):
             return to_confirm[0], Phase.CONFIRM
         if self._converged or not may_explore:
-            return self._default_to_confirm(remaining)
+            return self._runner_up_first(remaining, self._default_to_confirm(remaining))
         try:
             suggestion = self._optimizer.suggest(self._sample_cost())
         except Exception:
@@ -906,6 +958,32 @@ class TuningSession:
                 return suggestion.hyperparameters, Phase.BAYES
         self._converged = True  # every group measured, or nothing left worth measuring
         return self._next_sample()
+
+    def _runner_up_first(
+        self, remaining: int, choice: tuple[Hyperparameters, Phase] | None
+    ) -> tuple[Hyperparameters, Phase] | None:
+        """A runner-up measured once, before completing with budget left, or before a close
+        call that leaves budget for one sample after the runners-up; else ``choice``.
+
+        A runner-up: a group measured once whose score lies within ``confirm_margin`` of the
+        best score. One sample's score is good to a few percent, so one scored below a
+        confirmed group, or below the default's lead, can be the best all the same; left
+        unconfirmed it can never be chosen (:meth:`_candidates`). During the search such
+        groups wait (:meth:`_contenders_to_confirm`): the budget goes to the comparison with
+        the default first. Budget the session would leave unused, or that a close call would
+        spend on two groups while a better one may be waiting, is theirs."""
+        if not self.config.confirm_top or remaining <= 0:
+            return choice
+        default = self._measurements[self.space.default]
+        if choice is not None and (default.samples < 2 or choice[1] is not Phase.CONFIRM):
+            return choice  # the default's second look goes first
+        top = max(m.score for m in self._measurements.values())
+        floor = top * (1.0 - self.config.confirm_margin)
+        ranked = sorted(self._measurements.items(), key=lambda item: item[1].score, reverse=True)
+        runners = [hp for hp, m in ranked if m.samples == 1 and m.score >= floor]
+        if runners and choice is None:
+            return runners[0], Phase.CONFIRM
+        return choice
 
     def _default_to_confirm(self, remaining: int) -> tuple[Hyperparameters, Phase] | None:
         """The default group again, if another group is about to be chosen over it on one
@@ -958,6 +1036,11 @@ class TuningSession:
         return cost
 
     @property
+    def _budget_left(self) -> int:
+        """Samples of this round's budget not yet spent (a close call's legs make one)."""
+        return self._round_budget - (self._spent - self._round_start)
+
+    @property
     def _stop_min_groups(self) -> int:
         """Groups to measure before the search may stop early. A share of the budget as well
         as a fixed floor: on a flat landscape whose best group stands out by a few percent,
@@ -1008,6 +1091,7 @@ class TuningSession:
         self._round_start = self._spent
         self._round_budget = self.config.retune_samples
         self._measurements = {}
+        self._noise_cache = None
         self._best = None
         self._converged = False
         self._verdict = None
@@ -1032,7 +1116,7 @@ class TuningSession:
             samples=self._spent,
             max_samples=self._round_start + self._round_budget,
             best=self._best,
-            default_score=None if default is None else _score(default.judged()[0]),
+            default_score=None if default is None else default.judged_score,
             records=tuple(self._records),
             invalid_windows=self._invalid_windows,
             verdict=self._verdict,

@@ -105,3 +105,7 @@ def test_the_gain_carries_its_interval_and_says_when_it_is_within_the_noise():
 
     assert "gain +1.0% ± 2.3% (within the noise)" in summary(0.010, 0.023, False)
     assert "gain +8.0% ± 2.0% (measurably faster)" in summary(0.080, 0.020, True)
+    # The default group leads (its interval against itself is 0 wide): no gain, said plainly,
+    # not "+0.0% ± 0.0% (within the noise)".
+    leads = summary(0.0, 0.0, False)
+    assert "gain none: the default group is the best measured" in leads and "±" not in leads

@@ -10,7 +10,7 @@ import pytest
 from distune.space import FixedKnobs, Hyperparameters, ModelFacts
 from distune.tuning_service.config import ConfigError, TuningConfig
 from distune.tuning_service.messages import Report
-from distune.tuning_service.session import Phase, State, TuningSession
+from distune.tuning_service.session import Phase, State, TuningSession, _score
 
 # Two groups: the bucket is fixed; flat (the default) or hierarchical.
 TWO_GROUPS = ModelFacts(world_size=4, nnodes=2, local_world_size=2, gradient_bytes=2**24)
@@ -476,3 +476,116 @@ class TestDrift:
     def test_a_drift_fraction_outside_0_1_is_refused_by_name(self, value):
         with pytest.raises(ConfigError, match=r"retune_drift must be in \(0, 1\]"):
             TuningConfig(retune_drift=value)
+
+
+# A bucket range to search, flat only; the default is 2^24 B (25 MiB rounded, the range's top).
+FLAT_RANGE = FixedKnobs(is_hierarchical_reduce=False)
+
+
+def by_role(s: TuningSession, levels: dict) -> list:
+    """Report windows with a repeating ±4 % swing until the session completes: the default
+    group at ``levels["default"](n)``, the i-th other group the session measures at
+    ``levels[i](n)`` (n: that group's samples so far, a close call's legs included), any
+    other at 60 (ended early). Returns the other groups in the order first measured."""
+    swing = [1.0, 1.04, 0.96]
+    roles: list = []
+    samples: dict = {}
+    count, last_id = 0, None
+    while s.view.state is not State.COMPLETED:
+        group = s.view.current
+        hp = group.hyperparameters
+        if group.id != last_id:
+            samples[hp] = samples.get(hp, -1) + 1
+            last_id = group.id
+        if hp == s.space.default:
+            level = levels["default"]
+        else:
+            if hp not in roles:
+                roles.append(hp)
+            level = levels.get(roles.index(hp), lambda n: 60.0)
+        send(s, level(samples[hp]) * swing[count % 3])
+        count += 1
+    return roles
+
+
+class TestRunnersUp:
+    def test_a_runner_up_measured_once_is_confirmed_before_completing_with_budget_left(self):
+        """Group A (5 % faster) is proven at the interim level; runner-up B read 104.8 on its
+        one sample, below A's confirmed 105, but is truly 10 % faster. Before, the session
+        completed on A with budget left (B, measured once, could never be chosen); now that
+        budget confirms B, which is then chosen."""
+        s = session(fixed=FLAT_RANGE, max_samples=8)
+        a, b = by_role(
+            s,
+            {
+                "default": lambda n: 100.0,
+                0: lambda n: 105.0,
+                1: lambda n: 104.8 if n == 0 else 110.0,
+            },
+        )[:2]
+        assert s._measurements[a].samples > 2  # A's close call, in legs
+        assert b in {r.group.hyperparameters for r in measured(s) if r.sample == 8}
+        best = s.view.best
+        assert best.group.hyperparameters == b and best.measurably_faster
+
+    def test_the_budgets_last_sample_confirms_an_unproven_contender_in_legs(self):
+        """Budget 8: the close call of sample 7 measures A (first read 104.5, truly 103)
+        against the default; the last sample confirms contender B (first read 104, truly 6 %
+        faster). A plain sample of B (a few windows) could never prove its gain, and an
+        unproven group is not chosen over the default: so that sample is a close call of B
+        against the default, in legs, which proves it."""
+        s = session(fixed=FLAT_RANGE, max_samples=8)
+        b = by_role(
+            s,
+            {
+                "default": lambda n: 100.0,
+                0: lambda n: 104.5 if n == 0 else 103.0,
+                1: lambda n: 104.0 if n == 0 else 106.0,
+            },
+        )[1]
+        last = [r.group.hyperparameters for r in measured(s) if r.sample == 8]
+        assert last == [b, s.space.default] * (len(last) // 2) and len(last) > 2
+        best = s.view.best
+        assert best.group.hyperparameters == b and best.measurably_faster
+        assert best.gain_interval[0] < 0.06 < best.gain_interval[1]
+
+
+class TestNoiseCache:
+    def test_the_cached_noise_and_scores_equal_a_fresh_computation_at_every_window(self):
+        """The window noise, the samples' spread and each group's scores are computed once
+        after each change of the measurements (a finished sample, a reopening), not at every
+        window and claim. Through a seeded session with a search, close calls in legs, a
+        completion and a reopening on drift, they equal a computation from scratch after
+        every report."""
+        rng = random.Random(11)
+        s = session(
+            fixed=FixedKnobs(),
+            max_samples=8,
+            close_call_time=3.0,
+            retune_drift=0.2,
+            retune_drift_time=5.0,
+            retune_samples=3,
+        )
+
+        def rate(hp):
+            return 100.0 * (1.02 if hp.is_hierarchical_reduce else 1.0) - abs(
+                hp.bucket_size_2p - 20
+            )
+
+        checked = 0
+        while s.view.retunes == 0 or s.view.state is not State.COMPLETED:
+            slow = 0.5 if s.view.state is State.COMPLETED else 1.0  # drifts once completed
+            send(s, slow * rate(s.view.current.hyperparameters) * math.exp(rng.gauss(0.0, 0.045)))
+            cached = s._noise()
+            window = s._pooled_window_sigma()
+            assert (cached.window, cached.sample, cached.freedom) == (
+                window,
+                *s._sample_sigma(window),
+            )
+            for group in s._measurements.values():
+                assert group.score == _score(group.windows)
+                assert group.judged_score == _score(group.judged()[0])
+            checked += bool(s._measurements)
+        samples = [r.sample for r in measured(s)]
+        assert s.view.retunes == 1 and checked > 100
+        assert len(set(samples)) < len(samples)  # a close call's legs share their sample
