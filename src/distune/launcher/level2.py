@@ -349,6 +349,10 @@ class Level2:
         self.results_dir = _results_dir(options)
         job = TunedJob.of(args, pins, options.autotune_device_memory, trial_world(args))
         job.write(self.results_dir)
+        #: What every other node checks its own launch against (TrialFollower).
+        self.node_job = TunedJob.of_node(
+            args, pins, options.autotune_device_memory, trial_world(args)
+        ).to_json()
         self.report = TrialReport(self.results_dir, self.metric)
         runner = TrialRunner(args, self.trial_timeout, self.results_dir / "trials")
         self.node = NodeTrials(
@@ -410,6 +414,7 @@ class Level2:
                 "master_port": trial_port(self.args),
                 "config": None if config is None else config.to_config(self.world_size),
                 "metric": self.metric,
+                "job": self.node_job,
             }
         )
         run = self.node.run(view)
