@@ -23,10 +23,13 @@ from torch.distributed.run import parse_min_max_nnodes
 
 from distune.errors import ServiceError
 from distune.launcher.level2 import (
+    Chosen,
     Level2,
     check_batch_pins,
     check_results_dir,
+    chosen_run,
     earlier_results,
+    pinned_configuration,
     pinned_run,
     trial_world,
 )
@@ -68,11 +71,19 @@ def _level2(
     assert plan.placement is not None
     client = TrialClient(plan.placement.url, plan.token)
     pins = trial_pins(args)
+    mode = options.autotune_mode or "run"
+    # With every knob pinned there is nothing to try: each node knows it from its own config.
+    untuned = pinned_configuration(pins, trial_world(args)[1], options.autotune_allow_batch_change)
     if plan.starts_service:
         level2 = Level2(args, options, pins, argv, client)
-        search = level2.tune()
-        chosen = level2.chosen(search) if search is not None else None
-        mode = options.autotune_mode or "run"
+        if untuned is not None:
+            chosen: Chosen | None = level2.untuned(untuned)
+        else:
+            search = level2.tune()
+            chosen = level2.chosen(search) if search is not None else None
+    elif untuned is not None:
+        cap = options.autotune_device_memory
+        chosen = chosen_run(args, pins, cap, untuned.stage, untuned)
     else:
         mode, chosen = TrialFollower(args, options, pins, client).follow()
     if chosen is None:
