@@ -36,6 +36,7 @@ from distune.launcher.level2 import (
 from distune.launcher.options import (
     AutotuneOptions,
     OptionError,
+    check_training_script,
     local_world_size,
     parse,
     trial_pins,
@@ -132,6 +133,7 @@ def _plan(argv: list[str]) -> tuple[Any, AutotuneOptions, LaunchPlan] | int:
             plan = plan_trials(args, options)
             if plan.starts_service:  # node 0 writes the results; another node has its own
                 check_results_dir(options)
+            check_training_script(args)
             return args, options, plan
         pins = trial_pins(args)
         min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
@@ -139,6 +141,7 @@ def _plan(argv: list[str]) -> tuple[Any, AutotuneOptions, LaunchPlan] | int:
             # A best_config.json run on another number of ranks would change the global batch.
             check_batch_pins(pins, max_nodes * local_world_size(args), False)
         args = pinned_run(args, options, pins)
+        check_training_script(args)
         return args, options, plan_launch(args, options)
     except OptionError as error:
         print(f"distune-run: error: {error}", file=sys.stderr)
