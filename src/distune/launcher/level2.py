@@ -653,10 +653,10 @@ class Level2:
     def untuned(self, config: TrialConfig) -> Chosen:
         """Nothing to tune (:func:`pinned_configuration`): no trial runs; the results name the
         pinned configuration, which ``run`` mode trains with (level 1 inside it)."""
-        then = "its results" if self.options.autotune_mode == "tune" else "training with it"
+        then = "" if self.options.autotune_mode == "tune" else "training with it; "
         self._say(
             f"nothing to tune: the config pins every level-2 knob ({config.describe()}); no "
-            f"trials, {then} in {self.results_dir}"
+            f"trials; {then}results in {self.results_dir}"
         )
         self.report.nothing_to_tune(config)
         self._write_best(config, True)

@@ -460,7 +460,10 @@ def test_with_every_knob_pinned_level_2_runs_no_trial_and_writes_that_configurat
             "--autotune_config", str(path), "--autotune_results_dir", str(results)]  # fmt: skip
     assert main([*argv, str(script)]) == 0
     out = capsys.readouterr().out
-    assert "nothing to tune: the config pins every level-2 knob (zero1, micro-batch 4 x 2)" in out
+    assert (
+        "nothing to tune: the config pins every level-2 knob (zero1, micro-batch 4 x 2); no "
+        f"trials; results in {results}"
+    ) in out
     assert "trial 0" not in out
     assert json.loads((results / "best_config.json").read_text()) == json.loads(path.read_text())
     assert "Nothing to tune" in (results / "summary.md").read_text()
