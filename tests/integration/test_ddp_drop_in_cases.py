@@ -13,6 +13,7 @@ import contextlib
 import copy
 import inspect
 import io
+import logging
 import time
 import warnings
 from collections.abc import Callable
@@ -642,6 +643,9 @@ def switches_and_local_gradients(out: Path) -> dict:
     timeout = store.timeout
     errors = []
     store.set_timeout(timedelta(seconds=2))
+    said = io.StringIO()
+    handler = logging.StreamHandler(said)
+    logging.getLogger("distune.worker_runtime.consistency").addHandler(handler)
     try:
         if rank == 0:
             try:
@@ -656,6 +660,7 @@ def switches_and_local_gradients(out: Path) -> dict:
             errors.append(str(error))
     finally:
         store.set_timeout(timeout)
+        logging.getLogger("distune.worker_runtime.consistency").removeHandler(handler)
     alike.set_hyperparameters(Hyperparameters(16, False))
     ref = TorchDDP(make_model())
     local = [torch.autograd.grad(loss_of(m, batch(0)), list(m.parameters())) for m in (alike, ref)]
@@ -668,6 +673,7 @@ def switches_and_local_gradients(out: Path) -> dict:
     train_both(alike, ref, "after autograd.grad, on 2^16 B buckets")
     return {
         "errors": errors,
+        "said": said.getvalue(),
         "buckets": alike.hyperparameters.bucket_size_2p,
         "local": not torch.equal(*peers),
     }
@@ -766,6 +772,10 @@ def test_set_hyperparameters_on_some_ranks_or_with_other_values_raises_naming_it
             left_out, unlike = result["errors"]
             assert left_out.startswith(
                 "set_hyperparameters call 1 of model 'a': rank(s) 1 did not make it within 2 s"
+            )
+            # Not silent while it waits: said at half the time-out.
+            assert result["said"].startswith(
+                "set_hyperparameters call 1 of model 'a': waiting for rank(s) 1, 1 s more at most"
             )
         else:
             (unlike,) = result["errors"]

@@ -40,6 +40,10 @@ class ModelMismatchError(DistuneError, ValueError):
     """The ranks wrapped different models; the message names the first difference."""
 
 
+#: Seconds at most before a rank waiting for the others' ``set_hyperparameters`` says so.
+SWITCH_NOTICE = timedelta(seconds=30)
+
+
 class CollectiveCallError(DistuneError, RuntimeError):
     """A call every rank must make together was not: some ranks did not make it (within the
     job's collective time-out), or made it with other values; the message names the call."""
@@ -121,16 +125,29 @@ def agree_on_switch(
     store.set(f"{prefix}{dist.get_rank()}", json.dumps(hyperparameters.to_dict()))
     what = f"set_hyperparameters call {call + 1} of model {name!r}"
     timeout: timedelta = store.timeout  # type: ignore[attr-defined]  # bound, not in torch's stubs
+    keys = [f"{prefix}{rank}" for rank in ranks]
+    # Within half the time-out (30 s at most) the wait is said, so it is never silent.
+    notice = min(SWITCH_NOTICE, timeout / 2)
     try:
-        store.wait([f"{prefix}{rank}" for rank in ranks], timeout)
-    except RuntimeError:  # torch's DistStoreError: the store's time-out passed
-        missing = [rank for rank in ranks if not store.check([f"{prefix}{rank}"])]
-        raise CollectiveCallError(
-            f"{what}: rank(s) {', '.join(map(str, missing))} did not make it within "
-            f"{timeout.total_seconds():g} s (the process group's timeout). It is a "
-            "collective: every rank calls it at the same iteration with the same value; a "
-            "rank that does not would average gradients in buckets of other sizes"
-        ) from None
+        store.wait(keys, notice)
+    except RuntimeError:  # torch's DistStoreError: the wait's time-out passed
+        logger.warning(
+            "%s: waiting for rank(s) %s, %g s more at most: every rank must call it at the same "
+            "iteration",
+            what,
+            ", ".join(map(str, _missing(store, keys, ranks))),
+            (timeout - notice).total_seconds(),
+        )
+        try:
+            store.wait(keys, timeout - notice)
+        except RuntimeError:
+            missing = _missing(store, keys, ranks)
+            raise CollectiveCallError(
+                f"{what}: rank(s) {', '.join(map(str, missing))} did not make it within "
+                f"{timeout.total_seconds():g} s (the process group's timeout). It is a "
+                "collective: every rank calls it at the same iteration with the same value; a "
+                "rank that does not would average gradients in buckets of other sizes"
+            ) from None
     values = {rank: store.get(f"{prefix}{rank}").decode() for rank in ranks}
     if len(set(values.values())) > 1:
         given = "; ".join(
@@ -140,3 +157,8 @@ def agree_on_switch(
         raise CollectiveCallError(
             f"{what}: the ranks gave different values ({given}); every rank must give the same"
         )
+
+
+def _missing(store: dist.Store, keys: list[str], ranks: list[int]) -> list[int]:
+    """The ranks whose key is not in ``store`` yet."""
+    return [rank for rank, key in zip(ranks, keys, strict=True) if not store.check([key])]
