@@ -168,8 +168,9 @@ class TrialMeasurement:
                 module.register_forward_hook(self._after_block)
         (self.trial_dir / f"pid.{self.rank}").write_text(str(os.getpid()), encoding="utf-8")
 
-    def _before_forward(self, _module: nn.Module, inputs: tuple[Any, ...]) -> None:
-        if torch.is_grad_enabled():
+    def _before_forward(self, module: nn.Module, inputs: tuple[Any, ...]) -> None:
+        # A training forward: an evaluation (no_grad, or eval mode) is no micro-step.
+        if torch.is_grad_enabled() and module.training:
             self._forwards += 1
             if self._check_micro_batch:
                 self._check_first_input(inputs)
@@ -355,8 +356,8 @@ class WrapperMeasurement(TrialMeasurement):
 
         reducer.on_iteration = on_iteration
 
-    def _learn_samples(self, _module: nn.Module, inputs: tuple[Any, ...], kwargs: Any) -> None:
-        if torch.is_grad_enabled() and self._forward_samples is None:
+    def _learn_samples(self, module: nn.Module, inputs: tuple[Any, ...], kwargs: Any) -> None:
+        if torch.is_grad_enabled() and module.training and self._forward_samples is None:
             self._forward_samples = _samples(inputs, kwargs)
 
     def _check_step(self) -> None:

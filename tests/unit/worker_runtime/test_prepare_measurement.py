@@ -75,3 +75,7 @@ def test_without_run_accumulate_a_step_of_too_few_forwards_crashes(trial_run):
 def test_the_trials_micro_steps_of_two_forwards_each_pass(trial_run, through_accumulate):
     for _ in range(3):
         step(trial_run, 4, through_accumulate)
+        # An evaluation with gradients enabled, in eval mode, is no micro-step.
+        trial_run.model.eval()
+        trial_run.model(torch.randn(3, 16))
+        trial_run.model.train()
