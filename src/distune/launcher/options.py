@@ -597,12 +597,8 @@ def check_torchrun_flags(args: argparse.Namespace) -> None:
         positive_seconds(args.monitor_interval)
     except InvalidValue as error:
         raise OptionError(f"argument --monitor_interval: {error}") from None
-    static = args.rdzv_backend == "static" and not args.standalone
-    if static and not 0 <= args.node_rank < max_nodes:
-        raise OptionError(
-            f"argument --node_rank: must be in [0, {max_nodes}) with --nnodes {args.nnodes}, "
-            f"got {args.node_rank}"
-        )
+    if args.rdzv_backend == "static" and not args.standalone:
+        _check_static_rendezvous(args, min_nodes, max_nodes)
     try:
         _parse_rendezvous_config(args.rdzv_conf)
     except ValueError as error:
@@ -611,6 +607,22 @@ def check_torchrun_flags(args: argparse.Namespace) -> None:
     _check_worker_output(args)
     if args.no_python and args.module:
         raise OptionError("arguments --no-python and --module (-m) cannot be used together")
+
+
+def _check_static_rendezvous(args: argparse.Namespace, min_nodes: int, max_nodes: int) -> None:
+    """torch's static rendezvous waits for ``max_nodes`` nodes whatever the minimum says, and
+    for a ``--node_rank`` outside them forever."""
+    if min_nodes != max_nodes:
+        raise OptionError(
+            f"argument --nnodes: {args.nnodes} is a range, but the static rendezvous (the "
+            f"default --rdzv_backend) waits for all {max_nodes} nodes; for an elastic range give "
+            "--rdzv_backend c10d --rdzv_endpoint HOST:PORT, or a fixed --nnodes"
+        )
+    if not 0 <= args.node_rank < max_nodes:
+        raise OptionError(
+            f"argument --node_rank: must be in [0, {max_nodes}) with --nnodes {args.nnodes}, "
+            f"got {args.node_rank}"
+        )
 
 
 def check_training_script(args: argparse.Namespace) -> None:

@@ -264,7 +264,10 @@ def test_the_arg_mappings_example_config_is_valid() -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--nnodes", "1:2"], r"--nnodes 1:2: trials need a fixed number of nodes"),
+        (
+            ["--nnodes", "1:2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "h:29400"],
+            r"--nnodes 1:2: trials need a fixed number of nodes",
+        ),
         (
             ["--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "h:29400"],
             r"uses static rendezvous .* got --rdzv_backend c10d with --rdzv_endpoint",

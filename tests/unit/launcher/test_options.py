@@ -106,6 +106,7 @@ def test_hierarchical_off(spelling):
         (["--nnodes", "0"], "argument --nnodes: must be N or MIN:MAX with 0 < MIN <= MAX"),
         (["--nnodes", "a:b"], "argument --nnodes: must be N or MIN:MAX with 0 < MIN <= MAX, got 'a:b'"),
         (["--nnodes", "3:2"], "argument --nnodes: must be N or MIN:MAX"),
+        (["--nnodes", "1:2"], "argument --nnodes: 1:2 is a range, but the static rendezvous (the default --rdzv_backend) waits for all 2 nodes"),
         (["--max_restarts", "-1"], "argument --max_restarts: must be 0 or more, got -1"),
         (["--monitor_interval", "0"], "argument --monitor_interval: must be a positive number"),
         (["--nnodes", "2", "--node_rank", "2"], "argument --node_rank: must be in [0, 2)"),
