@@ -160,3 +160,22 @@ def test_a_script_without_prepare_is_tuned_through_arg_mappings_only(launch, tmp
         "bf16": {"enabled": False},
     }
     assert run.leftovers() == []
+
+
+def test_a_wrapper_script_with_its_mapped_knobs_pinned_is_chosen_from_its_profile(launch, tmp_path):
+    # Both mapped knobs pinned: the profile runs the only configuration there is.
+    config = tmp_path / "pinned.yaml"
+    config.write_text(
+        (REPO / "examples" / "level2_arg_mappings.yaml").read_text()
+        + "train_micro_batch_size_per_gpu: 4\ngradient_accumulation_steps: 2\n"
+    )
+    results = tmp_path / "results"
+    argv = ["--nproc_per_node", "1", "--autotune_level", "2", "--autotune_mode", "tune",
+            "--autotune_results_dir", str(results), "--autotune_config", str(config)]  # fmt: skip
+    mlp = [str(REPO / "examples" / "train_mlp.py"), "--width", "32", "--depth", "1"]
+    run = launch([*argv, *mlp, "--steps", "40"])
+    assert run.wait(timeout=120) == 0, run.output
+    assert "nothing left to tune: the pins and the script leave one configuration" in run.output
+    (profile,) = trials(results)
+    assert profile["outcome"] == "ok"
+    assert json.loads((results / "best_config.json").read_text())["train_batch_size"] == 8

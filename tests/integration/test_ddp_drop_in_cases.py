@@ -13,8 +13,11 @@ import contextlib
 import copy
 import inspect
 import io
+import logging
+import time
 import warnings
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
 from torch.distributed.device_mesh import init_device_mesh
 
 import distune
+from distune import Hyperparameters
+from distune.worker_runtime.consistency import CollectiveCallError
 from distune.worker_runtime.reducer import ReductionError
 
 pytestmark = pytest.mark.slow
@@ -626,6 +631,55 @@ def changes_during_training_raise(out: Path) -> dict:
 
 
 @scenario
+def switches_and_local_gradients(out: Path) -> dict:
+    """``set_hyperparameters`` (a collective) left out on one rank, then given different
+    values, then made alike; and ``torch.autograd.grad`` over the parameters, which averages
+    nothing under torch's DDP (its reducer's hooks sit on gradient accumulation) nor here."""
+    rank = dist.get_rank()
+    left_out, unlike, alike = (
+        distune.DistributedDataParallel(make_model(), name=name) for name in ("a", "b", "c")
+    )
+    store = dist.distributed_c10d._get_default_store()
+    timeout = store.timeout
+    errors = []
+    store.set_timeout(timedelta(seconds=2))
+    said = io.StringIO()
+    handler = logging.StreamHandler(said)
+    logging.getLogger("distune.worker_runtime.consistency").addHandler(handler)
+    try:
+        if rank == 0:
+            try:
+                left_out.set_hyperparameters(Hyperparameters(16, False))
+            except CollectiveCallError as error:
+                errors.append(str(error))
+        else:
+            time.sleep(2.5)  # no call, and no collective while rank 0 waits
+        try:
+            unlike.set_hyperparameters(Hyperparameters(16 + rank, False))
+        except CollectiveCallError as error:
+            errors.append(str(error))
+    finally:
+        store.set_timeout(timeout)
+        logging.getLogger("distune.worker_runtime.consistency").removeHandler(handler)
+    alike.set_hyperparameters(Hyperparameters(16, False))
+    ref = TorchDDP(make_model())
+    local = [torch.autograd.grad(loss_of(m, batch(0)), list(m.parameters())) for m in (alike, ref)]
+    for ours, theirs in zip(*local, strict=True):
+        torch.testing.assert_close(ours, theirs)
+    mine = torch.cat([g.flatten() for g in local[0]])
+    peers = [torch.empty_like(mine) for _ in range(2)]
+    dist.all_gather(peers, mine)
+    assert all(p.grad is None for p in (*alike.parameters(), *ref.parameters()))
+    train_both(alike, ref, "after autograd.grad, on 2^16 B buckets")
+    return {
+        "errors": errors,
+        "said": said.getvalue(),
+        "buckets": alike.hyperparameters.bucket_size_2p,
+        "local": not torch.equal(*peers),
+    }
+
+
+@scenario
 def cases(out: Path) -> dict:
     newer = {"buffer_sync_rules", "device_mesh_delayed_and_skipped"}
     return {
@@ -710,6 +764,31 @@ def test_torch_compile_of_the_wrapper_matches_torchs_ddp(results):
 
 def test_torchs_optimizer_in_backward_steps_on_averaged_gradients_as_under_torchs_ddp(results):
     assert results["optimizer_in_backward"] == [{"iterations": 3}] * 2
+
+
+def test_set_hyperparameters_on_some_ranks_or_with_other_values_raises_naming_it(results):
+    for rank, result in enumerate(results["switches_and_local_gradients"]):
+        if rank == 0:
+            left_out, unlike = result["errors"]
+            assert left_out.startswith(
+                "set_hyperparameters call 1 of model 'a': rank(s) 1 did not make it within 2 s"
+            )
+            # Not silent while it waits: said at half the time-out.
+            assert result["said"].startswith(
+                "set_hyperparameters call 1 of model 'a': waiting for rank(s) 1, 1 s more at most"
+            )
+        else:
+            (unlike,) = result["errors"]
+        assert unlike == (
+            "set_hyperparameters call 1 of model 'b': the ranks gave different values "
+            "(rank 0: bucket 2^16 B (64 KiB), flat; rank 1: bucket 2^17 B (128 KiB), flat); "
+            "every rank must give the same"
+        )
+        assert result["buckets"] == 16
+
+
+def test_autograd_grad_over_the_parameters_stays_local_as_under_torchs_ddp(results):
+    assert [r["local"] for r in results["switches_and_local_gradients"]] == [True, True]
 
 
 def test_a_new_memory_format_and_an_optimizer_in_backward_raise_where_torch_drifts(results):

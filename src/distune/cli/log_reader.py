@@ -14,6 +14,7 @@ started on) standing for the default group; Bagua records neither seconds nor a 
 
 from __future__ import annotations
 
+import io
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from pathlib import Path
 import pandas as pd
 
 from distune.cli import CommandError
+from distune.cli.cut_line import say_cut, without_cut_line
 
 #: The columns the commands read, with how each is parsed; a log has these and more.
 NUMERIC_COLUMNS = ("bucket_size_2p", "score", "train_iter", "sample", "seconds", "gain_vs_default")
@@ -93,18 +95,37 @@ class ModelRun:
 
 
 def read_log(path: str | os.PathLike[str]) -> list[ModelRun]:
-    """The models of the tuning log at ``path``, in the order they first appear."""
+    """The models of the tuning log at ``path``, in the order they first appear; a last
+    line cut short (the job stopped while writing it) is left out, saying so."""
     path = Path(path)
     try:
-        frame = pd.read_csv(path, dtype=str, keep_default_na=False, encoding="utf-8-sig")
+        text = path.read_text(encoding="utf-8-sig")
     except FileNotFoundError:
         raise LogError(f"no tuning log at {path}") from None
     except IsADirectoryError:
         raise LogError(f"{path} is a directory, not a tuning log") from None
+    except (OSError, UnicodeDecodeError) as error:
+        reason = getattr(error, "strerror", None) or " ".join(str(error).split())
+        raise LogError(f"cannot read the tuning log {path}: {reason}") from None
+    try:
+        return _runs(text, path)
+    except LogError:
+        cut = without_cut_line(text)
+        if cut is None:
+            raise
+        runs = _runs(cut[0], path)
+        say_cut(path, cut[1])
+        return runs
+
+
+def _runs(text: str, path: Path) -> list[ModelRun]:
+    """The models of a tuning log's ``text``; LogError naming what is wrong."""
+    try:
+        frame = pd.read_csv(io.StringIO(text), dtype=str, keep_default_na=False)
     except pd.errors.EmptyDataError:
         raise LogError(f"{path} is empty, not a tuning log") from None
-    except (OSError, UnicodeDecodeError, pd.errors.ParserError) as error:
-        reason = getattr(error, "strerror", None) or " ".join(str(error).split())
+    except pd.errors.ParserError as error:
+        reason = " ".join(str(error).split())
         raise LogError(f"cannot read the tuning log {path}: {reason}") from None
     if tuple(frame.columns) == BAGUA_COLUMNS:
         return [_bagua_run(_parsed(frame, path, BAGUA_COLUMNS), path)]

@@ -133,8 +133,13 @@ def _draw_model(axes: Axes, run: ModelRun) -> None:
 
 
 def output_path(log: str, output: str | None) -> Path:
-    """Where the image goes: ``output``, else LOG's name with ``.png`` in the current directory."""
+    """Where the image goes: ``output``, else LOG's name with ``.png`` in the current directory.
+    An ``output`` without a suffix gets ``.png`` (matplotlib would add it unsaid)."""
     path = Path(output) if output else Path(Path(log).with_suffix(".png").name)
+    if path.is_dir():
+        raise CommandError(f"-o {output} is a directory; give the image's file name")
+    if not path.suffix:
+        path = path.with_name(f"{path.name}.png")
     if path.resolve() == Path(log).resolve():
         raise CommandError(f"-o {output} would overwrite the log itself")
     return path

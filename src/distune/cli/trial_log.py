@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from distune.cli import CommandError
+from distune.cli.cut_line import say_cut, without_cut_line
 from distune.tuning_service.trials.trial_result import (
     TrialRecordError,
     TrialResult,
@@ -44,22 +45,30 @@ def trials_path(path: str | Path) -> Path | None:
 def read_trials(path: Path) -> list[TrialResult]:
     """Every trial of ``path`` (a ``trials.jsonl``), in file order."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        text = path.read_text(encoding="utf-8")
     except OSError as error:
         raise TrialLogError(f"cannot read {path}: {error.strerror}") from None
     except UnicodeDecodeError:
         raise TrialLogError(f"{path} is not a text file") from None
     try:
-        trials = parse_trial_lines(lines)
+        trials = parse_trial_lines(text.splitlines())
     except TrialRecordError as error:
-        where = f"{path}, line {error.number}"
-        if isinstance(error.cause, json.JSONDecodeError):
-            raise TrialLogError(f"{where}: not JSON ({error.cause.msg})") from None
-        if isinstance(error.cause, KeyError):
-            raise TrialLogError(
-                f"{where}: not a trial record (no {error.cause.args[0]!r})"
-            ) from None
-        raise TrialLogError(f"{where}: not a trial record: {error.cause}") from None
+        cut = without_cut_line(text)
+        if cut is None or error.number != text.count("\n") + 1:
+            raise _damaged(path, error) from None
+        # Only the unfinished last line failed: the lines before it are whole records.
+        trials = parse_trial_lines(cut[0].splitlines())
+        say_cut(path, cut[1])
     if not trials:
         raise TrialLogError(f"{path} holds no trial")
     return trials
+
+
+def _damaged(path: Path, error: TrialRecordError) -> TrialLogError:
+    """The error naming ``path``'s line that is not a trial record."""
+    where = f"{path}, line {error.number}"
+    if isinstance(error.cause, json.JSONDecodeError):
+        return TrialLogError(f"{where}: not JSON ({error.cause.msg})")
+    if isinstance(error.cause, KeyError):
+        return TrialLogError(f"{where}: not a trial record (no {error.cause.args[0]!r})")
+    return TrialLogError(f"{where}: not a trial record: {error.cause}")

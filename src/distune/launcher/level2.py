@@ -307,6 +307,48 @@ def check_batch_pins(pins: TrialPins, world_size: int, allow_batch_change: bool)
         raise OptionError(f"--autotune_config: {error}") from None
 
 
+def has_one_configuration(space: TrialSpace) -> bool:
+    """Whether ``space`` leaves a single configuration: nothing to search."""
+    knobs = (space.stages(), space.checkpointing(), space.precisions(), space.micro_batches())
+    return all(len(values) == 1 for values in knobs)
+
+
+def pinned_configuration(
+    pins: TrialPins, world_size: int, allow_batch_change: bool
+) -> TrialConfig | None:
+    """The one configuration ``pins`` leave where they fix every level-2 knob before any
+    trial (a ``best_config.json`` as the config, say): nothing to tune, no trial to run. None
+    where a knob is left to choose, or the script's own batch is (its profile tells it)."""
+    micro, accumulation = pins.micro_batch, pins.accumulation
+    if accumulation is None and micro and pins.global_batch and not allow_batch_change:
+        accumulation, rest = divmod(pins.global_batch, world_size * micro)
+        if rest:
+            return None
+    if None in (micro, accumulation, pins.stage, pins.checkpointing, pins.bf16):
+        return None
+    assert micro is not None and accumulation is not None and pins.stage is not None
+    try:
+        config = TrialConfig(
+            micro, accumulation, pins.stage, bool(pins.checkpointing), bool(pins.bf16)
+        )
+        space = TrialSpace(pins, world_size, config, allow_batch_change)
+    except TrialConfigError:
+        return None  # the trials' own path reports what is wrong
+    return config if has_one_configuration(space) and space.contains(config) else None
+
+
+def chosen_run(
+    args: argparse.Namespace, pins: TrialPins, cap: int | None, stage: int, run: TrialConfig | None
+) -> Chosen:
+    """What ``run`` mode trains with: ``run``'s knobs (None: the script's own values with
+    the pinned ones), mapped flags rewritten, the winner's ``stage``."""
+    settings = settings_for(run, pins, cap)
+    script_args = rewrite_script_args(
+        list(args.training_script_args), pins, settings.micro_batch, settings.accumulation
+    )
+    return Chosen(stage, script_args, settings)
+
+
 def trial_port(args: argparse.Namespace) -> int:
     """A free port for a trial's rendezvous on node 0, where the other nodes can reach it."""
     nnodes, _ = trial_world(args)
@@ -349,6 +391,10 @@ class Level2:
         self.results_dir = _results_dir(options)
         job = TunedJob.of(args, pins, options.autotune_device_memory, trial_world(args))
         job.write(self.results_dir)
+        #: What every other node checks its own launch against (TrialFollower).
+        self.node_job = TunedJob.of_node(
+            args, pins, options.autotune_device_memory, trial_world(args)
+        ).to_json()
         self.report = TrialReport(self.results_dir, self.metric)
         runner = TrialRunner(args, self.trial_timeout, self.results_dir / "trials")
         self.node = NodeTrials(
@@ -410,6 +456,7 @@ class Level2:
                 "master_port": trial_port(self.args),
                 "config": None if config is None else config.to_config(self.world_size),
                 "metric": self.metric,
+                "job": self.node_job,
             }
         )
         run = self.node.run(view)
@@ -554,6 +601,7 @@ class Level2:
                 "distune.prepare): micro-batch x accumulation through arg_mappings, on DDP "
                 "without checkpointing"
             )
+        only_one = has_one_configuration(space)
         search = TrialSearch(
             space,
             MemoryModel(model_facts(profile.facts, profile.config)),
@@ -563,12 +611,20 @@ class Level2:
         )
         search.record(profile)
         seen = 0
-        while (proposal := search.next_trial()) is not None:
+        while not only_one and (proposal := search.next_trial()) is not None:
             self._run_proposal(search, proposal)
             for decision in search.decisions[seen:]:
                 self._say(decision)
             seen = len(search.decisions)
         decisions = list(search.decisions)
+        if only_one:
+            # A script measured through its wrapper with its mapped knobs pinned: the profile
+            # ran the only configuration there is, and measuring it again chooses nothing.
+            decisions.append(
+                "nothing left to tune: the pins and the script leave one configuration "
+                f"({profile.config.describe()}), which the profile trial measured"
+            )
+            self._say(decisions[-1])
         warning = mapped_flags_failed(search.results, self.pins)
         if warning is not None:
             self._say(warning)
@@ -588,23 +644,36 @@ class Level2:
         best = search.best()
         if best is None:
             return None
+        as_measured = run_as(search.results, best)
+        best_file = self._write_best(best, as_measured is not None)
+        self._say(f"chosen: {best.describe()}; {best_file}")
+        cap = self.options.autotune_device_memory
+        return chosen_run(self.args, self.pins, cap, best.stage, as_measured)
+
+    def untuned(self, config: TrialConfig) -> Chosen:
+        """Nothing to tune (:func:`pinned_configuration`): no trial runs; the results name the
+        pinned configuration, which ``run`` mode trains with (level 1 inside it)."""
+        then = "" if self.options.autotune_mode == "tune" else "training with it; "
+        self._say(
+            f"nothing to tune: the config pins every level-2 knob ({config.describe()}); no "
+            f"trials; {then}results in {self.results_dir}"
+        )
+        self.report.nothing_to_tune(config)
+        self._write_best(config, True)
+        cap = self.options.autotune_device_memory
+        return chosen_run(self.args, self.pins, cap, config.stage, config)
+
+    def _write_best(self, best: TrialConfig, mapped: bool) -> Path:
+        """Write best_config.json (with the config's arg_mappings where ``mapped``: the winner
+        runs with its knobs set through them) and best_command.txt; the former's path."""
         best_file = self.results_dir / "best_config.json"
         config = best.to_config(self.world_size)
-        as_measured = run_as(search.results, best)
-        if self.pins.arg_mappings and as_measured is not None:
+        if self.pins.arg_mappings and mapped:
             config["arg_mappings"] = dict(self.pins.arg_mappings)
         best_file.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         command = command_without_tuning(self.argv, self.args, best_file)
         (self.results_dir / "best_command.txt").write_text(shlex.join(command) + "\n")
-        settings = settings_for(as_measured, self.pins, self.options.autotune_device_memory)
-        script_args = rewrite_script_args(
-            list(self.args.training_script_args),
-            self.pins,
-            settings.micro_batch,
-            settings.accumulation,
-        )
-        self._say(f"chosen: {best.describe()}; {best_file}")
-        return Chosen(best.stage, script_args, settings)
+        return best_file
 
 
 def pinned_run(

@@ -23,16 +23,20 @@ from torch.distributed.run import parse_min_max_nnodes
 
 from distune.errors import ServiceError
 from distune.launcher.level2 import (
+    Chosen,
     Level2,
     check_batch_pins,
     check_results_dir,
+    chosen_run,
     earlier_results,
+    pinned_configuration,
     pinned_run,
     trial_world,
 )
 from distune.launcher.options import (
     AutotuneOptions,
     OptionError,
+    check_training_script,
     local_world_size,
     parse,
     trial_pins,
@@ -68,11 +72,19 @@ def _level2(
     assert plan.placement is not None
     client = TrialClient(plan.placement.url, plan.token)
     pins = trial_pins(args)
+    mode = options.autotune_mode or "run"
+    # With every knob pinned there is nothing to try: each node knows it from its own config.
+    untuned = pinned_configuration(pins, trial_world(args)[1], options.autotune_allow_batch_change)
     if plan.starts_service:
         level2 = Level2(args, options, pins, argv, client)
-        search = level2.tune()
-        chosen = level2.chosen(search) if search is not None else None
-        mode = options.autotune_mode or "run"
+        if untuned is not None:
+            chosen: Chosen | None = level2.untuned(untuned)
+        else:
+            search = level2.tune()
+            chosen = level2.chosen(search) if search is not None else None
+    elif untuned is not None:
+        cap = options.autotune_device_memory
+        chosen = chosen_run(args, pins, cap, untuned.stage, untuned)
     else:
         mode, chosen = TrialFollower(args, options, pins, client).follow()
     if chosen is None:
@@ -121,6 +133,7 @@ def _plan(argv: list[str]) -> tuple[Any, AutotuneOptions, LaunchPlan] | int:
             plan = plan_trials(args, options)
             if plan.starts_service:  # node 0 writes the results; another node has its own
                 check_results_dir(options)
+            check_training_script(args)
             return args, options, plan
         pins = trial_pins(args)
         min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
@@ -128,6 +141,7 @@ def _plan(argv: list[str]) -> tuple[Any, AutotuneOptions, LaunchPlan] | int:
             # A best_config.json run on another number of ranks would change the global batch.
             check_batch_pins(pins, max_nodes * local_world_size(args), False)
         args = pinned_run(args, options, pins)
+        check_training_script(args)
         return args, options, plan_launch(args, options)
     except OptionError as error:
         print(f"distune-run: error: {error}", file=sys.stderr)

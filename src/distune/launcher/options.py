@@ -14,9 +14,11 @@ import contextlib
 import difflib
 import math
 import os
+import shutil
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
+from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 from urllib.parse import urlsplit
@@ -595,12 +597,8 @@ def check_torchrun_flags(args: argparse.Namespace) -> None:
         positive_seconds(args.monitor_interval)
     except InvalidValue as error:
         raise OptionError(f"argument --monitor_interval: {error}") from None
-    static = args.rdzv_backend == "static" and not args.standalone
-    if static and not 0 <= args.node_rank < max_nodes:
-        raise OptionError(
-            f"argument --node_rank: must be in [0, {max_nodes}) with --nnodes {args.nnodes}, "
-            f"got {args.node_rank}"
-        )
+    if args.rdzv_backend == "static" and not args.standalone:
+        _check_static_rendezvous(args, min_nodes, max_nodes)
     try:
         _parse_rendezvous_config(args.rdzv_conf)
     except ValueError as error:
@@ -609,6 +607,59 @@ def check_torchrun_flags(args: argparse.Namespace) -> None:
     _check_worker_output(args)
     if args.no_python and args.module:
         raise OptionError("arguments --no-python and --module (-m) cannot be used together")
+
+
+def _check_static_rendezvous(args: argparse.Namespace, min_nodes: int, max_nodes: int) -> None:
+    """torch's static rendezvous waits for ``max_nodes`` nodes whatever the minimum says, and
+    for a ``--node_rank`` outside them forever."""
+    if min_nodes != max_nodes:
+        raise OptionError(
+            f"argument --nnodes: {args.nnodes} is a range, but the static rendezvous (the "
+            f"default --rdzv_backend) waits for all {max_nodes} nodes; for an elastic range give "
+            "--rdzv_backend c10d --rdzv_endpoint HOST:PORT, or a fixed --nnodes"
+        )
+    if not 0 <= args.node_rank < max_nodes:
+        raise OptionError(
+            f"argument --node_rank: must be in [0, {max_nodes}) with --nnodes {args.nnodes}, "
+            f"got {args.node_rank}"
+        )
+
+
+def check_training_script(args: argparse.Namespace) -> None:
+    """The script (or ``-m`` module, or ``--no-python`` command) must be there to run: torch
+    would start every rank, each failing with the interpreter's own complaint, after the
+    service (and at level 2 a whole profile trial) started. Checked on the node that runs it."""
+    script = str(args.training_script)
+    if args.module:
+        top = script.split(".", 1)[0]
+        # Where ``python -m`` looks: the working directory first, then the path; the package
+        # is not imported (its __init__ could run anything).
+        if PathFinder.find_spec(top, [os.getcwd(), *sys.path]) is None:
+            raise OptionError(
+                f"module {script!r} (-m): no module named {top!r} in the working directory "
+                f"({os.getcwd()}) or on the Python path"
+            )
+        return
+    if args.no_python:
+        found = shutil.which(script) if os.sep not in script else script
+        if found is None or not (os.path.isfile(found) and os.access(found, os.X_OK)):
+            where = "is not an executable file" if os.sep in script else "is not on the PATH"
+            raise OptionError(f"--no-python command {script!r} {where}")
+        return
+    path = Path(script)
+    if path.is_dir():
+        if not (path / "__main__.py").is_file():
+            raise OptionError(
+                f"training script {script!r} is a directory without a __main__.py; give the "
+                "script's file"
+            )
+    elif not path.is_file():
+        raise OptionError(
+            f"training script {script!r}: no such file (the working directory is "
+            f"{os.getcwd()}); give the script's path, or -m for a module"
+        )
+    elif not os.access(path, os.R_OK):
+        raise OptionError(f"training script {script!r} is not readable")
 
 
 def _check_rendezvous(args: argparse.Namespace) -> None:

@@ -19,12 +19,13 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing import SignalException
 
 from distune.errors import ServiceError
-from distune.launcher.level2 import DEFAULT_TRIAL_TIMEOUT, Chosen
-from distune.launcher.options import AutotuneOptions
+from distune.launcher.level2 import DEFAULT_TRIAL_TIMEOUT, Chosen, trial_world
+from distune.launcher.options import AutotuneOptions, OptionError
 from distune.launcher.trial_args import rewrite_script_args
 from distune.launcher.trial_client import TrialClient, TrialRefusedError
 from distune.launcher.trial_node import NodeTrials, TrialsStoppedError, settings_from_knobs
 from distune.launcher.trial_runner import TrialRunner
+from distune.launcher.tuned_job import TunedJob
 from distune.tuning_service.trial_board import FINISHED, RUNNING, STOPPED
 from distune.tuning_service.trial_messages import TrialKnobs
 from distune.tuning_service.trials.trial_config import TrialPins
@@ -62,6 +63,7 @@ class TrialFollower:
         self.node = NodeTrials(
             args, pins, options.autotune_device_memory, runner, client, self._say
         )
+        self.job = TunedJob.of_node(args, pins, options.autotune_device_memory, trial_world(args))
         # After the first answer, the service may be silent this long between trials: node 0
         # waits up to a trial time-out and more for a late node before it records a trial.
         self.lost_after = 2 * timeout + 60.0
@@ -112,12 +114,37 @@ class TrialFollower:
                 and str(self.node.node_rank) not in trial["nodes"]
             )
             if runnable:
+                self._check_job(trial["spec"].get("job"))
                 done.add(trial["trial"])
                 self._say(f"trial {trial['trial']}: running this node's ranks")
                 run = self.node.run(trial)
                 self._say(f"trial {trial['trial']}: this node's ranks ended {run.outcome}")
             else:
                 time.sleep(_POLL)
+
+    def _check_job(self, theirs: dict[str, Any] | None) -> None:
+        """Refuse (OptionError), and stop every node's trials, where node 0 launched another
+        job (other script arguments, ranks, cap or config): a trial of mixed ranks would
+        measure neither, and the run would train neither."""
+        if theirs is None:
+            return  # a node 0 of an earlier version publishes no job
+        differences = self.job.differences(theirs, "on node 0")
+        if not differences:
+            return
+        node = self.node.node_rank
+        reason = (
+            f"node {node} was started with another job than node 0's (its "
+            f"{', '.join(d.split(':', 1)[0] for d in differences)} differ): every node runs the "
+            "same command, but for --node_rank"
+        )
+        with contextlib.suppress(ServiceError, TrialRefusedError):
+            self.client.stop(node, reason[:200])
+        raise OptionError(
+            f"--autotune_level 2: node {node} was started with another job than node 0's "
+            f"({'; '.join(differences)}); start every node with the same script, arguments, "
+            "--nproc_per_node, --nnodes, memory cap and --autotune_config, each with its own "
+            "--node_rank"
+        )
 
     def _finished(self, finish: dict[str, Any]) -> tuple[str, Chosen | None]:
         mode = str(finish["mode"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from distune.tuning_service.trials.trial_config import STRATEGY_NAMES
+from distune.tuning_service.trials.trial_config import STRATEGY_NAMES, TrialConfig
 from distune.tuning_service.trials.trial_result import OK, THROUGHPUT, TrialResult
 from distune.tuning_service.trials.trial_search import TrialSearch
 
@@ -55,6 +55,16 @@ class TrialReport:
             f"(spread {spread:.1%}), peak {peak / MiB:.1f} MiB{predicted_text}, "
             f"{result.duration:.1f} s"
         )
+
+    def nothing_to_tune(self, config: TrialConfig) -> None:
+        """Write ``summary.md`` of a run whose pins left one configuration: no trial ran."""
+        lines = [
+            "# distune level 2",
+            "",
+            f"Nothing to tune: the config pins every level-2 knob ({config.describe()}), so no "
+            "trial ran and nothing was measured. best_config.json holds that configuration.",
+        ]
+        (self.directory / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
     def finish(self, search: TrialSearch | None, decisions: list[str], seconds: float) -> None:
         """Write ``summary.md``."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +27,12 @@ class OtherJobError(ConfigError):
     """``--autotune_resume`` names the results of another job; the message says what differs."""
 
 
-def _script(args: argparse.Namespace) -> str:
+def _script(args: argparse.Namespace, absolute: bool = True) -> str:
     if args.module:
         return f"-m {args.training_script}"
     if args.no_python:
         return f"--no-python {args.training_script}"
-    return os.path.abspath(args.training_script)
+    return os.path.abspath(args.training_script) if absolute else str(args.training_script)
 
 
 @dataclass(frozen=True)
@@ -68,9 +68,35 @@ class TunedJob:
             pinned=pinned,
         )
 
+    @classmethod
+    def of_node(
+        cls,
+        args: argparse.Namespace,
+        pins: TrialPins,
+        device_memory: int | None,
+        world: tuple[int, int],
+    ) -> TunedJob:
+        """This node's job as every node of a multi-node level 2 must launch it: the script as
+        given on the command line (nodes may hold it in other directories)."""
+        job = cls.of(args, pins, device_memory, world)
+        return replace(job, script=_script(args, absolute=False))
+
+    def to_json(self) -> dict[str, Any]:
+        """The job as a JSON object (``job.json``, and each trial node 0 publishes)."""
+        return dict(json.loads(json.dumps(asdict(self))))
+
+    def differences(self, recorded: dict[str, Any], there: str) -> list[str]:
+        """Each field in which ``recorded`` (a job as JSON) differs from this one."""
+        mine = self.to_json()
+        return [
+            f"{name}: {recorded.get(name)!r} {there}, {mine[name]!r} here"
+            for name in mine
+            if recorded.get(name) != mine[name]
+        ]
+
     def write(self, directory: Path) -> None:
         """Record the job in its results directory."""
-        (directory / JOB_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        (directory / JOB_FILE).write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
     def check_resume(self, directory: Path) -> bool:
         """Refuse (:class:`OtherJobError`) to resume ``directory`` where its trials are of
@@ -81,12 +107,7 @@ class TunedJob:
             return False
         except (OSError, ValueError) as error:
             raise OtherJobError(f"{directory / JOB_FILE} cannot be read: {error}") from None
-        mine = asdict(self)
-        differences = [
-            f"{name}: {recorded.get(name)!r} there, {mine[name]!r} here"
-            for name in mine
-            if recorded.get(name) != mine[name]
-        ]
+        differences = self.differences(recorded, "there")
         if differences:
             raise OtherJobError(
                 f"the trials in {directory} are of another job ({'; '.join(differences)}): "

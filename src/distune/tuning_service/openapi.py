@@ -293,6 +293,11 @@ _TRIAL_SCHEMAS: dict[str, Any] = {
             "config": _NULLABLE_OBJECT
             | {"description": "the knobs as DeepSpeed's config keys (null for the profile)"},
             "metric": {"type": "string", "enum": list(METRICS)},
+            "job": _NULLABLE_OBJECT
+            | {
+                "description": "node 0's job (script, script_args, world_size, nnodes, "
+                "device_memory, pinned): a node started with another refuses the trials"
+            },
         },
     },
     "NodeReport": {

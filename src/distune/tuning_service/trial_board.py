@@ -164,8 +164,8 @@ class TrialBoard:
     def _get(self, number: int) -> _Trial:
         trial = self._trials.get(number)
         if trial is None:
-            known = f"trials 0 to {max(self._trials)}" if self._trials else "no trial yet"
-            raise UnknownTrialError(f"no trial {number} was published; there are {known}")
+            known = f"there are trials 0 to {max(self._trials)}" if self._trials else "none was yet"
+            raise UnknownTrialError(f"no trial {number} was published; {known}")
         return trial
 
     def _check_next(self, number: int, what: str) -> None:

@@ -104,7 +104,8 @@ class TrialKnobs:
 class TrialSpec:
     """``POST /api/v1/trials``: trial ``trial`` of a job of ``nnodes`` nodes, to run with
     ``knobs`` (``config``, its DeepSpeed-keyed form, is for people), its ranks meeting at the
-    rendezvous port ``master_port`` of node 0."""
+    rendezvous port ``master_port`` of node 0. ``job`` is node 0's job (script, arguments,
+    world, cap, pins): another node started with another refuses to run its ranks."""
 
     trial: int
     nnodes: int
@@ -113,8 +114,9 @@ class TrialSpec:
     master_port: int
     config: dict[str, Any] | None = None
     metric: str = METRICS[0]
+    job: dict[str, Any] | None = None
 
-    FIELDS = ("trial", "nnodes", "purpose", "knobs", "master_port", "config", "metric")
+    FIELDS = ("trial", "nnodes", "purpose", "knobs", "master_port", "config", "metric", "job")
 
     @classmethod
     def from_json(cls, data: Any) -> TrialSpec:
@@ -133,6 +135,7 @@ class TrialSpec:
             master_port=integer_field("master_port", body["master_port"], 1, 65535),
             config=_optional_object("config", body.get("config")),
             metric=_choice("metric", body.get("metric", METRICS[0]), METRICS),
+            job=_optional_object("job", body.get("job")),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -145,6 +148,7 @@ class TrialSpec:
             "master_port": self.master_port,
             "config": self.config,
             "metric": self.metric,
+            "job": self.job,
         }
 
 

@@ -9,13 +9,23 @@ every rank reaches the same verdict from the same data, so all raise together or
 The starting group can differ between ranks only through their environment (a
 ``DISTUNE_BUCKET_SIZE`` set on one rank): rank 0's wins, with a warning on the ranks it
 overrides, since differing buckets would pair collectives of different sizes.
+
+Later, ``set_hyperparameters`` must be called by every rank with the same value, or the ranks'
+buckets differ: gloo then aborts the process at the next backward on a size mismatch that
+names no cause, and NCCL pairs buckets of different sizes. Each call is checked through the
+job's store rather than a collective of the group, so a rank that never calls cannot pair the
+check with a gradient allreduce: the callers wait for the others' entries as long as any
+collective of the job would (``init_process_group``'s ``timeout``), then raise naming the call.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -28,6 +38,15 @@ logger = logging.getLogger(__name__)
 
 class ModelMismatchError(DistuneError, ValueError):
     """The ranks wrapped different models; the message names the first difference."""
+
+
+#: Seconds at most before a rank waiting for the others' ``set_hyperparameters`` says so.
+SWITCH_NOTICE = timedelta(seconds=30)
+
+
+class CollectiveCallError(DistuneError, RuntimeError):
+    """A call every rank must make together was not: some ranks did not make it (within the
+    job's collective time-out), or made it with other values; the message names the call."""
 
 
 @dataclass(frozen=True)
@@ -91,3 +110,55 @@ def agree_on_model(
             agreed.describe(),
         )
     return agreed
+
+
+def agree_on_switch(
+    process_group: dist.ProcessGroup, name: str, call: int, hyperparameters: Hyperparameters
+) -> None:
+    """Check that every rank of ``process_group`` makes call number ``call`` of model
+    ``name``'s ``set_hyperparameters``, with the same value; :class:`CollectiveCallError`
+    otherwise, on each rank that made it. Through the job's store, not a collective."""
+    store = dist.distributed_c10d._get_default_store()
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"distune/set_hyperparameters/{attempt}/{name}/{call}/"
+    ranks = dist.get_process_group_ranks(process_group)
+    store.set(f"{prefix}{dist.get_rank()}", json.dumps(hyperparameters.to_dict()))
+    what = f"set_hyperparameters call {call + 1} of model {name!r}"
+    timeout: timedelta = store.timeout  # type: ignore[attr-defined]  # bound, not in torch's stubs
+    keys = [f"{prefix}{rank}" for rank in ranks]
+    # Within half the time-out (30 s at most) the wait is said, so it is never silent.
+    notice = min(SWITCH_NOTICE, timeout / 2)
+    try:
+        store.wait(keys, notice)
+    except RuntimeError:  # torch's DistStoreError: the wait's time-out passed
+        logger.warning(
+            "%s: waiting for rank(s) %s, %g s more at most: every rank must call it at the same "
+            "iteration",
+            what,
+            ", ".join(map(str, _missing(store, keys, ranks))),
+            (timeout - notice).total_seconds(),
+        )
+        try:
+            store.wait(keys, timeout - notice)
+        except RuntimeError:
+            missing = _missing(store, keys, ranks)
+            raise CollectiveCallError(
+                f"{what}: rank(s) {', '.join(map(str, missing))} did not make it within "
+                f"{timeout.total_seconds():g} s (the process group's timeout). It is a "
+                "collective: every rank calls it at the same iteration with the same value; a "
+                "rank that does not would average gradients in buckets of other sizes"
+            ) from None
+    values = {rank: store.get(f"{prefix}{rank}").decode() for rank in ranks}
+    if len(set(values.values())) > 1:
+        given = "; ".join(
+            f"rank {rank}: {Hyperparameters.from_dict(json.loads(v)).describe()}"
+            for rank, v in values.items()
+        )
+        raise CollectiveCallError(
+            f"{what}: the ranks gave different values ({given}); every rank must give the same"
+        )
+
+
+def _missing(store: dist.Store, keys: list[str], ranks: list[int]) -> list[int]:
+    """The ranks whose key is not in ``store`` yet."""
+    return [rank for rank, key in zip(ranks, keys, strict=True) if not store.check([key])]

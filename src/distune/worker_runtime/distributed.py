@@ -31,7 +31,7 @@ from distune.space import Hyperparameters
 from distune.worker_runtime.algorithms import Algorithm, GradientAllReduce
 from distune.worker_runtime.algorithms.base import ModelAverager
 from distune.worker_runtime.algorithms.comm_hook import CommHook, CommHookExchange
-from distune.worker_runtime.consistency import agree_on_model
+from distune.worker_runtime.consistency import agree_on_model, agree_on_switch
 from distune.worker_runtime.join import DistributedDataParallelJoinHook, forward_agreement
 from distune.worker_runtime.leader_client import LeaderClient, check_model_name
 from distune.worker_runtime.model_names import NAMES_IN_USE, tuning_name
@@ -140,6 +140,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._set_torch_attributes(arguments, ignored)
         #: torch DDP's flag: False inside :meth:`no_sync`.
         self.require_backward_grad_sync = True
+        #: Calls of :meth:`set_hyperparameters` so far (each is checked across the ranks).
+        self._switch_calls = 0
         # Whether the first forward looked for torch's in-backward optimizers.
         self._in_backward_checked = False
         #: torch DDP's flag: whether the last forward averaged (the next one then broadcasts
@@ -326,6 +328,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise TypeError(
                 f"expected distune.Hyperparameters, got {type(hyperparameters).__name__}"
             )
+        # Checked before anything changes: a rank left out would pair other buckets.
+        call = self._switch_calls
+        self._switch_calls += 1
+        agree_on_switch(self._process_group(), self.name, call, hyperparameters)
         if self._sync is not None and not self._sync.stopped:
             logger.info("set_hyperparameters: model %r stops tuning", self.name)
             self._sync.stop()
@@ -518,6 +524,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         state.setdefault("forward_sync_buffers", state.pop("broadcast_buffers", True))
         state.setdefault("parameters_to_ignore", set())
         state.setdefault("require_forward_param_sync", True)
+        state.setdefault("_switch_calls", 0)
         super().__setstate__(state)
         self._in_backward_checked = False  # the copy's own reducer looks at its first forward
         self.process_group = None

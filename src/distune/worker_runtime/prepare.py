@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -49,11 +49,15 @@ class Prepared:
     memory: MemoryMeter | None
     #: bf16 mixed precision (only where the config allows it: it changes the numerics).
     bf16: bool = False
+    #: In a trial, what checks each step's micro-steps against the trial's accumulation.
+    measurement: TrialMeasurement | None = field(default=None, repr=False, compare=False)
 
     @contextlib.contextmanager
     def accumulate(self, micro_step: int) -> Iterator[None]:
         """Around micro-step ``micro_step`` (0-based) of an optimizer step: gradients are
         averaged over the ranks only in the last one."""
+        if self.measurement is not None:
+            self.measurement.micro_step(micro_step)
         if micro_step < self.gradient_accumulation_steps - 1:
             with self.model.no_sync():  # type: ignore[operator]
                 yield
@@ -190,6 +194,8 @@ def prepare(
             measured=settings.measured_steps,
             device=device,
             describe=describe,
+            accumulation=accumulation,
         )
         measurement.attach(applied.model, applied.optimizer, block_classes)
+        return replace(prepared, measurement=measurement)
     return prepared

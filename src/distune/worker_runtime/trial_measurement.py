@@ -118,6 +118,7 @@ class TrialMeasurement:
         measured: int,
         device: torch.device,
         describe: Callable[[], dict[str, Any]],
+        accumulation: int = 1,
     ) -> None:
         self.trial_dir = trial_dir
         self.meter = meter
@@ -140,6 +141,12 @@ class TrialMeasurement:
         self._checkpointed_bytes = 0
         #: Whether the first training forward is checked against the micro-batch (prepare's).
         self._check_micro_batch = True
+        #: The accumulation steps ``prepare`` set; each step's micro-steps are checked against it.
+        self.accumulation = accumulation
+        #: Training forwards of the model in this optimizer step.
+        self._forwards = 0
+        #: The ``run.accumulate(i)`` micro-steps of this optimizer step, in order.
+        self._micro_steps: list[int] = []
 
     def attach(
         self,
@@ -161,9 +168,12 @@ class TrialMeasurement:
                 module.register_forward_hook(self._after_block)
         (self.trial_dir / f"pid.{self.rank}").write_text(str(os.getpid()), encoding="utf-8")
 
-    def _before_forward(self, _module: nn.Module, inputs: tuple[Any, ...]) -> None:
-        if self._check_micro_batch and torch.is_grad_enabled():
-            self._check_first_input(inputs)
+    def _before_forward(self, module: nn.Module, inputs: tuple[Any, ...]) -> None:
+        # A training forward: an evaluation (no_grad, or eval mode) is no micro-step.
+        if torch.is_grad_enabled() and module.training:
+            self._forwards += 1
+            if self._check_micro_batch:
+                self._check_first_input(inputs)
         self._forward_start = self.meter.live_bytes()
         self._blocks_kept = self._blocks_input = self._block_max = 0
 
@@ -182,6 +192,31 @@ class TrialMeasurement:
                 "each micro-batch with run.micro_batch_size samples, and run "
                 "run.gradient_accumulation_steps of them a step, not the script's own values"
             )
+
+    def micro_step(self, index: int) -> None:
+        """Called by ``run.accumulate(index)``: the step's micro-steps are checked at its end."""
+        self._micro_steps.append(index)
+
+    def _check_step(self) -> None:
+        """A step must run the trial's accumulation steps: a script that loops over its own
+        count (not ``run.gradient_accumulation_steps``) trains another global batch, and under
+        fewer micro-steps than ``prepare`` set it never averages its gradients at all."""
+        wanted = self.accumulation
+        if self._micro_steps:
+            if self._micro_steps == list(range(wanted)):
+                return
+            ran = f"run.accumulate({', '.join(map(str, self._micro_steps[:8]))}"
+            ran += ", ...)" if len(self._micro_steps) > 8 else ")"
+        elif self._forwards >= wanted and self._forwards % wanted == 0:
+            return  # without run.accumulate, whole micro-steps are all that can be told
+        else:
+            ran = f"{self._forwards} training forward(s) of the model"
+        raise TrialStepError(
+            f"distune trial: distune.prepare set gradient_accumulation_steps to {wanted}, but "
+            f"this optimizer step ran {ran}: run one micro-step for each i in "
+            "range(run.gradient_accumulation_steps), each under run.accumulate(i), then step "
+            "the optimizer; the script's own accumulation count would train another global batch"
+        )
 
     def _after_forward(self, *_: Any) -> None:
         # What the forward left alive is what autograd saved for backward: the activations.
@@ -203,6 +238,9 @@ class TrialMeasurement:
         )
 
     def _after_step(self, *_: Any) -> None:
+        self._check_step()
+        self._forwards = 0
+        self._micro_steps.clear()
         now = time.perf_counter()
         self._steps += 1
         if self._steps > self.warmup:
@@ -303,13 +341,12 @@ class WrapperMeasurement(TrialMeasurement):
         self._check_micro_batch = False  # learned from the forwards, and checked there
         self._settings = settings
         self._params = params
-        self._forwards = 0
         self._forward_samples: int | None = None
         self.accumulation = 0
 
     def attach_wrapper(self, wrapper: nn.Module, reducer: Reducer) -> None:
         """Count ``wrapper``'s forwards and end a step with each synchronised backward."""
-        wrapper.register_forward_pre_hook(self._count_forward, with_kwargs=True)
+        wrapper.register_forward_pre_hook(self._learn_samples, with_kwargs=True)
         self._watch(wrapper, ())
         previous = reducer.on_iteration
 
@@ -319,13 +356,11 @@ class WrapperMeasurement(TrialMeasurement):
 
         reducer.on_iteration = on_iteration
 
-    def _count_forward(self, _module: nn.Module, inputs: tuple[Any, ...], kwargs: Any) -> None:
-        if torch.is_grad_enabled():
-            self._forwards += 1
-            if self._forward_samples is None:
-                self._forward_samples = _samples(inputs, kwargs)
+    def _learn_samples(self, module: nn.Module, inputs: tuple[Any, ...], kwargs: Any) -> None:
+        if torch.is_grad_enabled() and module.training and self._forward_samples is None:
+            self._forward_samples = _samples(inputs, kwargs)
 
-    def _after_step(self, *_: Any) -> None:
+    def _check_step(self) -> None:
         if self._steps == 0:
             self._learn_step()
         elif self._forwards != self.accumulation:
@@ -333,8 +368,6 @@ class WrapperMeasurement(TrialMeasurement):
                 f"distune trial: this optimizer step ran {self._forwards} forward(s), the first "
                 f"ran {self.accumulation}: the steps of a trial must be alike"
             )
-        self._forwards = 0
-        super()._after_step()
 
     def _learn_step(self) -> None:
         micro = self._forward_samples

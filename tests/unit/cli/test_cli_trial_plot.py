@@ -112,3 +112,13 @@ def test_a_record_with_a_bad_outcome_and_a_directory_without_trials_are_refused(
     empty.mkdir()
     assert main(["plot", str(empty)]) == 1
     assert "is a directory without trials.jsonl" in capsys.readouterr().err
+
+
+def test_a_trials_file_whose_last_record_was_cut_short_plots_the_finished_trials(
+    results, tmp_path, capsys
+):
+    text = (results / "trials.jsonl").read_text()
+    cut = tmp_path / "trials.jsonl"
+    cut.write_text(text + text.splitlines()[0][:30])  # a trial's record being written
+    assert len(read_trials(cut)) == 7
+    assert f"{cut}: its last line is cut short" in capsys.readouterr().err

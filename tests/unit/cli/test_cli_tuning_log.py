@@ -264,3 +264,32 @@ def test_a_close_calls_legs_count_once_in_the_summary(tmp_path, capsys):
     assert main(["log", str(path)]) == 0
     line = capsys.readouterr().out.splitlines()[2]
     assert line.split()[:3] == ["m", "completed", str(samples)]
+
+
+def test_a_log_whose_last_row_was_cut_short_keeps_every_finished_row(recorded, tmp_path, capsys):
+    path, _ = recorded
+    text = path.read_text()
+    cut = tmp_path / "cut.log"
+    cut.write_text(text + text.splitlines()[1][:7])  # the job stopped while writing a row
+    assert [r.samples.shape for r in read_log(cut)] == [r.samples.shape for r in read_log(path)]
+    assert main(["log", str(cut)]) == 0
+    out, err = capsys.readouterr()
+    assert "tuning log" in out and f"{cut}: its last line is cut short" in err
+    # A finished (newline-ended) last line that is damaged is still an error naming it.
+    lines = text.splitlines()
+    damaged = tmp_path / "damaged.log"
+    last = lines[-1].replace(lines[-1].split(",")[2], "x", 1)
+    damaged.write_text("\n".join([*lines[:-1], last]) + "\n")
+    assert main(["log", str(damaged)]) == 1
+    assert f"line {len(lines)}: bad score value 'x'" in capsys.readouterr().err
+
+
+def test_plot_to_a_directory_is_refused_and_a_name_without_suffix_gets_png(
+    recorded, tmp_path, capsys
+):
+    path, _ = recorded
+    assert main(["plot", str(path), "-o", str(tmp_path)]) == 1
+    assert f"-o {tmp_path} is a directory" in capsys.readouterr().err
+    assert main(["plot", str(path), "-o", str(tmp_path / "tuning")]) == 0
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'tuning.png'}\n"
+    assert (tmp_path / "tuning.png").is_file()

@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from distune.launcher.level2 import command_without_tuning, mapped_flags_failed, run_as
+from distune.launcher.level2 import (
+    command_without_tuning,
+    mapped_flags_failed,
+    pinned_configuration,
+    run_as,
+)
 from distune.launcher.main import main
 from distune.launcher.options import parse, trial_pins
 from distune.launcher.trial_args import rewrite_script_args
@@ -259,7 +264,10 @@ def test_the_arg_mappings_example_config_is_valid() -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--nnodes", "1:2"], r"--nnodes 1:2: trials need a fixed number of nodes"),
+        (
+            ["--nnodes", "1:2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "h:29400"],
+            r"--nnodes 1:2: trials need a fixed number of nodes",
+        ),
         (
             ["--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "h:29400"],
             r"uses static rendezvous .* got --rdzv_backend c10d with --rdzv_endpoint",
@@ -417,3 +425,51 @@ def test_a_winner_only_the_profile_ran_ok_runs_as_the_profile_ran_and_the_user_i
     assert run_as(results, larger) == larger
     assert mapped_flags_failed(results, pins) is None
     assert mapped_flags_failed(results[:3], TrialPins()) is None  # nothing was mapped
+
+
+PINNED = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+          "zero_optimization": {"stage": 1}, "activation_checkpointing": False}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("config", "allow_batch_change", "expected"),
+    [
+        (PINNED, False, TrialConfig(4, 2, 1, False)),
+        # The accumulation follows from a pinned global batch, unless the batch may change.
+        ({**PINNED, "gradient_accumulation_steps": "auto", "train_batch_size": 16}, False,
+         TrialConfig(4, 2, 1, False)),
+        ({**PINNED, "gradient_accumulation_steps": "auto", "train_batch_size": 16}, True, None),
+        ({k: v for k, v in PINNED.items() if k != "zero_optimization"}, False, None),
+        ({**PINNED, "bf16": {"enabled": "auto"}}, False, None),
+        ({**PINNED, "bf16": {"enabled": True}}, False, TrialConfig(4, 2, 1, False, True)),
+        ({k: v for k, v in PINNED.items() if k != "activation_checkpointing"}, False, None),
+    ],
+)  # fmt: skip
+def test_nothing_is_left_to_tune_only_where_the_pins_fix_every_knob(
+    config, allow_batch_change, expected
+) -> None:
+    assert pinned_configuration(TrialPins.from_config(config), 2, allow_batch_change) == expected
+
+
+def test_with_every_knob_pinned_level_2_runs_no_trial_and_writes_that_configuration(
+    tmp_path, capsys
+) -> None:
+    path = tmp_path / "best_config.json"
+    path.write_text(json.dumps(TrialConfig(4, 2, 1, False).to_config(2)))
+    script = tmp_path / "t.py"
+    script.write_text("raise SystemExit(3)\n")  # no trial may run it
+    results = tmp_path / "results"
+    argv = ["--nproc_per_node", "2", "--autotune_level", "2", "--autotune_mode", "tune",
+            "--autotune_config", str(path), "--autotune_results_dir", str(results)]  # fmt: skip
+    assert main([*argv, str(script)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "nothing to tune: the config pins every level-2 knob (zero1, micro-batch 4 x 2); no "
+        f"trials; results in {results}"
+    ) in out
+    assert "trial 0" not in out
+    assert json.loads((results / "best_config.json").read_text()) == json.loads(path.read_text())
+    assert "Nothing to tune" in (results / "summary.md").read_text()
+    assert not (results / "trials.jsonl").exists()
+    command = (results / "best_command.txt").read_text()
+    assert "--autotune_level 0 --autotune_config" in command

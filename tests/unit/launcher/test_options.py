@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from distune.launcher.main import main
-from distune.launcher.options import AutotuneOptions, parse
+from distune.launcher.options import AutotuneOptions, check_training_script, parse
 
 
 def test_torchrun_flags_pass_through_with_both_spellings():
@@ -106,6 +106,7 @@ def test_hierarchical_off(spelling):
         (["--nnodes", "0"], "argument --nnodes: must be N or MIN:MAX with 0 < MIN <= MAX"),
         (["--nnodes", "a:b"], "argument --nnodes: must be N or MIN:MAX with 0 < MIN <= MAX, got 'a:b'"),
         (["--nnodes", "3:2"], "argument --nnodes: must be N or MIN:MAX"),
+        (["--nnodes", "1:2"], "argument --nnodes: 1:2 is a range, but the static rendezvous (the default --rdzv_backend) waits for all 2 nodes"),
         (["--max_restarts", "-1"], "argument --max_restarts: must be 0 or more, got -1"),
         (["--monitor_interval", "0"], "argument --monitor_interval: must be a positive number"),
         (["--nnodes", "2", "--node_rank", "2"], "argument --node_rank: must be in [0, 2)"),
@@ -245,3 +246,44 @@ def test_a_device_keyword_this_machine_lacks_exits_2_at_any_level(level, capsys)
         "distune-run: error: argument --nproc_per_node: 'gpu' on this machine: "
         "Cuda is not available.\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("launch", "message"),
+    [
+        (["missing.py"], "training script 'missing.py': no such file (the working directory is "),
+        (["-m", "no_such_module_for_distune.sub"],
+         "module 'no_such_module_for_distune.sub' (-m): no module named "
+         "'no_such_module_for_distune' in the working directory"),
+        (["."], "training script '.' is a directory without a __main__.py"),
+        (["--no-python", "no-such-command-for-distune"],
+         "--no-python command 'no-such-command-for-distune' is not on the PATH"),
+        (["--no-python", "./t.py"], "--no-python command './t.py' is not an executable file"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("level", ["0", "1", "2"])
+def test_a_script_that_is_not_there_exits_2_before_anything_starts(
+    tmp_path, monkeypatch, capsys, launch, message, level
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text("print('a script, not an executable')\n")
+    assert main(["--nproc_per_node", "2", "--autotune_level", level, *launch]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"distune-run: error: {message}")
+    assert err.count("\n") == 1
+    assert "tuning service" not in out
+
+
+def test_scripts_modules_and_commands_that_are_there_pass_the_check(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__main__.py").write_text("")
+    (tmp_path / "mod.py").write_text("")
+    for launch in (
+        ["mod.py"],
+        ["pkg"],
+        ["-m", "mod"],
+        ["-m", "json.tool"],
+        ["--no-python", "true"],
+    ):
+        check_training_script(parse(launch)[0])

@@ -10,8 +10,9 @@ import pytest
 from waitress.server import create_server
 
 from distune.launcher.level2 import Level2
-from distune.launcher.options import parse
+from distune.launcher.options import OptionError, parse
 from distune.launcher.trial_client import TrialClient
+from distune.launcher.trial_follower import TrialFollower
 from distune.launcher.trial_node import settings_from_knobs, stop_reason
 from distune.launcher.trial_runner import classify
 from distune.tuning_service.app import create_app
@@ -134,3 +135,48 @@ def test_node_0_waits_at_the_end_only_for_the_nodes_that_answer(service_url, tmp
     start = time.monotonic()
     level2._wait_acknowledged(20.0)
     assert time.monotonic() - start < 5
+
+
+def node_args(node_rank: int, *script: str, nproc: str = "2") -> list[str]:
+    return ["--nnodes", "2", "--nproc_per_node", nproc, "--node_rank", str(node_rank),
+            "--master_addr", "127.0.0.1", "--autotune_level", "2", *script]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("follower", "differs"),
+    [
+        (["t.py", "--lr", "0.2"], "script_args: ['--lr', '0.1'] on node 0, ['--lr', '0.2'] here"),
+        (["--nproc_per_node", "1", "t.py", "--lr", "0.1"], "world_size: 4 on node 0, 2 here"),
+    ],
+)
+def test_a_node_started_with_another_job_than_node_0s_refuses_and_stops_every_node(
+    service_url, tmp_path, follower, differs
+):
+    client = TrialClient(service_url, TOKEN)
+    argv = node_args(0, "--autotune_results_dir", str(tmp_path / "r"), "t.py", "--lr", "0.1")
+    args, options = parse(argv)
+    level2 = Level2(args, options, TrialPins(), argv, client)
+    client.publish({"trial": 0, "nnodes": 2, "purpose": "profile", "knobs": {},
+                    "master_port": 29600, "job": level2.node_job})  # fmt: skip
+    args1, options1 = parse([*node_args(1, "--autotune_results_dir", str(tmp_path)), *follower])
+    with pytest.raises(OptionError, match="node 1 was started with another job than node 0's") as e:
+        TrialFollower(args1, options1, TrialPins(), client).follow()
+    assert differs in str(e.value)
+    stop = client.current()["stop"]
+    assert stop["node_rank"] == 1
+    assert stop["reason"].startswith("node 1 was started with another job than node 0's (its ")
+    # Node 0's ranks of the trial are stopped, saying why.
+    reason = stop_reason(client.current(0), 0, node_rank=0)
+    assert reason is not None and "another job" in reason
+
+
+def test_a_node_started_with_the_same_job_from_another_directory_takes_part(tmp_path):
+    argv = node_args(0, "--autotune_results_dir", str(tmp_path / "r"), "t.py", "--lr", "0.1")
+    args, options = parse(argv)
+    level2 = Level2(args, options, TrialPins(), argv, TrialClient("http://127.0.0.1:9", TOKEN))
+    args1, options1 = parse(
+        node_args(1, "--autotune_results_dir", str(tmp_path), "t.py", "--lr", "0.1")
+    )
+    follower = TrialFollower(args1, options1, TrialPins(), TrialClient("http://x:9", TOKEN))
+    follower._check_job(level2.node_job)  # no refusal (the script is compared as given)
+    follower._check_job(None)  # a node 0 of an earlier version publishes no job

@@ -191,6 +191,11 @@ def test_bad_trial_requests_get_a_4xx_naming_what_is_wrong(
     assert message in answer["error"], answer
 
 
+def test_a_trial_asked_for_before_any_was_published_is_a_404_saying_so(client):
+    answer = call(client, "POST", "/finish", {"mode": "run", "chosen": 5, "knobs": {}}, status=404)
+    assert answer["error"] == "no trial 5 was published; none was yet"
+
+
 def test_the_board_refuses_out_of_turn_requests(client):
     call(client, "POST", "", spec(0))
     assert "nnodes" in call(client, "POST", "", spec(0, nnodes=3), status=409)["error"]

@@ -1,0 +1,81 @@
+"""A level-2 trial of a ``distune.prepare`` script whose steps do not run the trial's
+accumulation steps ends as a crash saying so, rather than be measured as a configuration (and
+a global batch) it never ran. In a gloo world of one rank, in this process: the trial's
+measurement is set to end after more steps than these run."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import distune
+from distune.trial_settings import ACCUMULATION, MICRO_BATCH, TRIAL_DIR
+from distune.worker_runtime.prepare import Prepared
+from distune.worker_runtime.trial_measurement import TrialStepError
+
+
+@pytest.fixture
+def trial_run(tmp_path, monkeypatch) -> Iterator[Prepared]:
+    """``prepare`` in a trial of micro-batch 2 x 4 accumulation steps (the script says 2 x 2)."""
+    for name, value in {
+        TRIAL_DIR: str(tmp_path),
+        MICRO_BATCH: "2",
+        ACCUMULATION: "4",
+        "DISTUNE_TRIAL_WARMUP_STEPS": "50",
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # the trial installs its report
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = distune.prepare(model, optimizer, micro_batch_size=2, gradient_accumulation_steps=2)
+    try:
+        yield run
+    finally:
+        assert run.memory is not None
+        run.memory.__exit__(None, None, None)  # type: ignore[attr-defined]
+        dist.destroy_process_group()
+
+
+def step(run: Prepared, micro_steps: int, through_accumulate: bool) -> None:
+    """One optimizer step of ``micro_steps`` micro-steps of two forwards each (as R-drop)."""
+    for i in range(micro_steps):
+        with run.accumulate(i) if through_accumulate else contextlib.nullcontext():
+            x = torch.randn(run.micro_batch_size, 16)
+            (run.model(x).sum() + run.model(x).sum()).backward()
+    run.optimizer.step()
+    run.optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("own", [2, 8])
+def test_a_script_looping_over_its_own_accumulation_crashes_naming_the_trials(trial_run, own):
+    with pytest.raises(TrialStepError) as raised:
+        step(trial_run, own, through_accumulate=True)
+    ran = ", ".join(map(str, range(own)))
+    assert (
+        "distune.prepare set gradient_accumulation_steps to 4, but this optimizer step ran "
+        f"run.accumulate({ran}): run one micro-step for each i in "
+        "range(run.gradient_accumulation_steps)" in str(raised.value)
+    )
+
+
+def test_without_run_accumulate_a_step_of_too_few_forwards_crashes(trial_run):
+    with pytest.raises(TrialStepError, match="this optimizer step ran 2 training forward"):
+        step(trial_run, 1, through_accumulate=False)
+
+
+@pytest.mark.parametrize("through_accumulate", [True, False])
+def test_the_trials_micro_steps_of_two_forwards_each_pass(trial_run, through_accumulate):
+    for _ in range(3):
+        step(trial_run, 4, through_accumulate)
+        # An evaluation with gradients enabled, in eval mode, is no micro-step.
+        trial_run.model.eval()
+        trial_run.model(torch.randn(3, 16))
+        trial_run.model.train()
