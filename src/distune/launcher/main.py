@@ -41,6 +41,7 @@ from distune.launcher.options import (
     parse,
     trial_pins,
 )
+from distune.launcher.placement import port_taken
 from distune.launcher.plan import LaunchPlan, plan_launch, plan_trials, restart_caveat
 from distune.launcher.progress import ProgressMonitor
 from distune.launcher.service_process import ServiceStartError, TuningServiceProcess
@@ -190,6 +191,24 @@ def _stop_service(
         print(line, flush=True)
 
 
+def _port_hint(plan: LaunchPlan) -> str:
+    """Why a service of a fixed port may not have started: the port is taken (on several
+    nodes, by a second launcher given --node_rank 0 on this machine, say)."""
+    placement = plan.placement
+    if placement is None or not port_taken(placement):
+        return ""
+    who = (
+        "another program, or another launcher of this job started with --node_rank 0 on this "
+        "machine (each node needs its own --node_rank)"
+        if placement.multi_node
+        else "another program"
+    )
+    return (
+        f"; port {placement.port} on {placement.bind} is in use by {who}; "
+        "--autotune_service_port chooses another"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one job; returns the exit code (the workers', 2 for bad flags)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -222,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         stop_signals.watch(emergency_stop, helpers=() if service is None else (service.pid,))
         return _trials_then_workers(argv, args, options, plan)
     except ServiceStartError as error:
-        print(f"distune-run: error: tuning service: {error}", file=sys.stderr)
+        print(f"distune-run: error: tuning service: {error}{_port_hint(plan)}", file=sys.stderr)
         return 1
     except SignalException as error:
         print(f"distune-run: stopping on {error.sigval.name}", file=sys.stderr)

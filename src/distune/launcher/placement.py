@@ -19,6 +19,7 @@ from the one the other nodes use (published ports behind NAT). A wildcard addres
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import socket
 from dataclasses import dataclass
@@ -80,6 +81,19 @@ def _addresses(host: str) -> set[str]:
     except OSError:
         return set()
     return {str(info[4][0]).split("%", 1)[0] for info in infos}
+
+
+def port_taken(placement: ServicePlacement) -> bool:
+    """Whether something holds the service's fixed port where it listens."""
+    if placement.port == 0:
+        return False
+    family = socket.AF_INET6 if ":" in placement.bind else socket.AF_INET
+    with socket.socket(family) as probe:
+        try:
+            probe.bind((placement.bind, placement.port))
+        except OSError as error:
+            return error.errno == errno.EADDRINUSE
+    return False
 
 
 def is_wildcard_address(host: str) -> bool:

@@ -1,7 +1,11 @@
 """What distune-run decides to start: service or not, where, with which settings."""
 
+import socket
+
 import pytest
 
+from distune.launcher.level2 import free_port
+from distune.launcher.main import main
 from distune.launcher.options import OptionError, parse
 from distune.launcher.placement import is_local_address, is_wildcard_address
 from distune.launcher.plan import UNSHARED_STORE, plan_launch, restart_caveat
@@ -300,3 +304,23 @@ def test_restarts_torch_may_break_are_warned_about(flags, unshared, warned, monk
     assert (caveat is not None) == warned
     if warned:
         assert "--max_restarts" in caveat and f"{UNSHARED_STORE}=1" in caveat
+
+
+def test_a_second_node_0_on_one_machine_is_told_its_service_port_is_taken(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("DISTUNE_SERVICE_TOKEN", "a-token-of-this-job")
+    script = tmp_path / "t.py"
+    script.write_text("raise SystemExit(3)\n")
+    rendezvous = free_port()
+    with socket.socket() as first_node_0:  # what the first launcher's service holds
+        first_node_0.bind(("127.0.0.1", rendezvous + 1))
+        first_node_0.listen()
+        argv = ["--nnodes", "2", "--node_rank", "0", "--master_addr", "127.0.0.1",
+                "--master_port", str(rendezvous), "--autotune_level", "1", str(script)]  # fmt: skip
+        assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"port {rendezvous + 1} on 127.0.0.1 is in use by another program, or another launcher "
+        "of this job started with --node_rank 0 on this machine" in err
+    )
