@@ -175,6 +175,13 @@ def budget_to_good(points: dict[int, float]) -> float:
     return reached
 
 
+def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """``header`` and ``rows`` as a markdown table, one line each."""
+    lines = ["| " + " | ".join(cells) + " |" for cells in (header, *rows)]
+    lines.insert(1, "|" + "---|" * len(header))
+    return "\n".join(lines)
+
+
 def _fmt_budget(value: float) -> str:
     return "never" if math.isinf(value) else f"{value:g}"
 
@@ -189,7 +196,7 @@ def summary_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
         "samples to 98%: median / worst",
         f"samples used (budget {max(runs[0].budgets)}): median",
     ]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows: list[list[str]] = []
     for tuner in tuners:
         median, worst = curve(runs, tuner, "median"), curve(runs, tuner, "worst")
         cells = [tuner, *(f"{median[k]:.3f} / {worst[k]:.3f}" for k in checkpoints)]
@@ -198,8 +205,8 @@ def summary_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
         )
         used = [run.samples_used[-1] for run in runs if run.tuner == tuner]
         cells.append(f"{statistics.median(used):g}")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return _markdown_table(header, rows)
 
 
 def gain_claim_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
@@ -210,7 +217,7 @@ def gain_claim_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
     if not tuners:
         return ""
     header = ["tuner", *(f"after {k}: median / largest (runs)" for k in checkpoints)]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows: list[list[str]] = []
     for tuner in tuners:
         cells = [tuner]
         for k in checkpoints:
@@ -219,8 +226,8 @@ def gain_claim_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
             cells.append(
                 f"{_median(errors):+.1%} / {max(errors):+.1%} ({len(errors)})" if errors else "-"
             )
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return _markdown_table(header, rows)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -244,7 +251,7 @@ def percentile_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
         "while tuning: mean",
         "5th pct",
     ]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows: list[list[str]] = []
     for tuner in tuners:
         mine = [run for run in runs if run.tuner == tuner]
         for k in checkpoints:
@@ -259,8 +266,8 @@ def percentile_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
                 f"{statistics.fmean(tuning):.3f}",
                 f"{percentile(tuning, 5):.3f}",
             ]
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            rows.append(cells)
+    return _markdown_table(header, rows)
 
 
 #: The issue's bars for the final choice: the counts below them say more than a percentile
@@ -273,7 +280,7 @@ def shortfall_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
     :data:`SHORTFALL_BARS` of the best group, of how many runs."""
     tuners = list(dict.fromkeys(run.tuner for run in runs))
     header = ["tuner", *(f"budget {k}" for k in checkpoints)]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows: list[list[str]] = []
     for tuner in tuners:
         mine = [run for run in runs if run.tuner == tuner]
         cells = [tuner]
@@ -281,8 +288,8 @@ def shortfall_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
             final = [run.fraction_at(k) for run in mine]
             below = " / ".join(str(sum(f < bar for f in final)) for bar in SHORTFALL_BARS)
             cells.append(f"{below} of {len(final)}")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return _markdown_table(header, rows)
 
 
 def coverage_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
@@ -294,7 +301,7 @@ def coverage_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
     if not tuners:
         return ""
     header = ["tuner", *(f"budget {k}" for k in checkpoints)]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows: list[list[str]] = []
     for tuner in tuners:
         cells = [tuner]
         for k in checkpoints:
@@ -302,8 +309,8 @@ def coverage_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
             flags = [r.gain_covered[index] for r in runs if r.tuner == tuner]
             flags = [f for f in flags if f is not None]
             cells.append(f"{sum(flags) / len(flags):.1%} of {len(flags)}" if flags else "-")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return _markdown_table(header, rows)
 
 
 def tuning_time_table(
@@ -316,7 +323,7 @@ def tuning_time_table(
     if not tuners:
         return ""
     header = ["tuner", *(f"budget {k}: mean / 95th pct / max" for k in checkpoints)]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows: list[list[str]] = []
     for tuner in tuners:
         cells = [tuner]
         for k in checkpoints:
@@ -329,8 +336,8 @@ def tuning_time_table(
             cells.append(
                 f"{statistics.fmean(ratios):.1f} / {percentile(ratios, 95):.1f} / {max(ratios):.1f}"
             )
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return _markdown_table(header, rows)
 
 
 def per_landscape_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
@@ -340,15 +347,15 @@ def per_landscape_table(runs: Sequence[Run], checkpoints: Sequence[int]) -> str:
     landscapes = list(dict.fromkeys(run.landscape for run in runs))
     marks = "/".join(str(k) for k in checkpoints)
     header = ["landscape", *(f"{t}: worst after {marks}" for t in tuners)]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows: list[list[str]] = []
     for name in landscapes:
         cells = [name]
         for tuner in tuners:
             mine = [r for r in runs if r.tuner == tuner and r.landscape == name]
             worst = [min(r.fraction_at(k) for r in mine) for k in checkpoints]
             cells.append(" / ".join(f"{w:.2f}" for w in worst))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return _markdown_table(header, rows)
 
 
 def plot(runs: Sequence[Run], path: Path, title: str) -> None:
