@@ -392,9 +392,7 @@ class Level2:
         job = TunedJob.of(args, pins, options.autotune_device_memory, trial_world(args))
         job.write(self.results_dir)
         #: What every other node checks its own launch against (TrialFollower).
-        self.node_job = TunedJob.of_node(
-            args, pins, options.autotune_device_memory, trial_world(args)
-        ).to_json()
+        self.node_job = job.as_given(args).to_json()
         self.report = TrialReport(self.results_dir, self.metric)
         runner = TrialRunner(args, self.trial_timeout, self.results_dir / "trials")
         self.node = NodeTrials(

@@ -63,7 +63,8 @@ class TrialFollower:
         self.node = NodeTrials(
             args, pins, options.autotune_device_memory, runner, client, self._say
         )
-        self.job = TunedJob.of_node(args, pins, options.autotune_device_memory, trial_world(args))
+        world = trial_world(args)
+        self.job = TunedJob.of(args, pins, options.autotune_device_memory, world).as_given(args)
         # After the first answer, the service may be silent this long between trials: node 0
         # waits up to a trial time-out and more for a late node before it records a trial.
         self.lost_after = 2 * timeout + 60.0

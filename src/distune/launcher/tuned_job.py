@@ -68,18 +68,10 @@ class TunedJob:
             pinned=pinned,
         )
 
-    @classmethod
-    def of_node(
-        cls,
-        args: argparse.Namespace,
-        pins: TrialPins,
-        device_memory: int | None,
-        world: tuple[int, int],
-    ) -> TunedJob:
-        """This node's job as every node of a multi-node level 2 must launch it: the script as
-        given on the command line (nodes may hold it in other directories)."""
-        job = cls.of(args, pins, device_memory, world)
-        return replace(job, script=_script(args, absolute=False))
+    def as_given(self, args: argparse.Namespace) -> TunedJob:
+        """This job as every node of a multi-node level 2 must launch it: the script as given
+        on ``args``' command line (nodes may hold it in other directories)."""
+        return replace(self, script=_script(args, absolute=False))
 
     def to_json(self) -> dict[str, Any]:
         """The job as a JSON object (``job.json``, and each trial node 0 publishes)."""
