@@ -360,6 +360,44 @@ def test_the_caps_effect_at_a_micro_batch_is_tested_once() -> None:
     assert any(d.startswith("zero3: skipped") for d in search.decisions)
 
 
+def test_a_stage_whose_room_ran_out_of_memory_is_held_to_the_same_test() -> None:
+    cap = 400 * MiB
+    search = new_search(cap, pins=TrialPins(checkpointing=False))
+    scripted(search, TrialConfig(8, 2, 1, False), 60.0, peak=300 * MiB)  # with room
+    # zero2 is predicted to fit 16, above zero1's 8: it may make room, and is tried there.
+    proposal = search._next_in_family(2, False, False)
+    assert proposal is not None and proposal.config == TrialConfig(16, 1, 2, False)
+    search.record(TrialResult(len(search.results), proposal.config, WORLD, OOM))
+    # It ran out of memory: what it still fits, 8, zero1 already ran with room, and at one
+    # micro-batch more sharding only adds work.
+    assert search._next_in_family(2, False, False) is None
+    skipped = "zero2: skipped, it fits micro-batch 8 at most and a cheaper strategy reached 8"
+    assert skipped in search.decisions
+
+
+def test_no_trial_relieves_a_near_full_trial_whose_step_down_with_room_was_not_faster() -> None:
+    cap = 400 * MiB  # zero2 fits 16 near the cap (365 MiB), zero3 fits 16 at most
+    cases = [
+        (300 * MiB, 69.0, False),  # the step down had room and was not faster: no relief
+        (350 * MiB, 69.0, True),  # the step down was near the cap too: it answers nothing
+        (300 * MiB, 80.0, True),  # the step down with room was faster: the cap may hurt
+    ]
+    for below_peak, below_value, relieved in cases:
+        search = new_search(cap, pins=TrialPins(checkpointing=False))
+        scripted(search, TrialConfig(16, 1, 2, False), 70.0, peak=365 * MiB, spread=0.02)
+        scripted(search, TrialConfig(8, 2, 2, False), below_value, peak=below_peak, spread=0.02)
+        proposal = search._next_in_family(3, False, False)
+        if relieved:
+            assert proposal is not None and proposal.config == TrialConfig(16, 1, 3, False)
+            continue
+        assert proposal is None
+        said = (
+            "zero3: no trial at micro-batch 16, zero2, micro-batch 16 x 1 ran near the cap but "
+            "zero2, micro-batch 8 x 2, with room, was not faster"
+        )
+        assert said in search.decisions
+
+
 def test_re_measuring_stops_after_the_best_two_when_a_drift_reorders_them() -> None:
     search = new_search(None, pins=TrialPins(stage=0, checkpointing=False), max_trials=10)
     for micro, value in ((16, 100.0), (8, 90.0), (4, 80.0)):

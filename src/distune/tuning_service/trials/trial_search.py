@@ -28,10 +28,13 @@ full-precision twin until a trial of its own has measured it. The rules:
   predicted to fit a larger micro-batch than the cheaper ways already reached (a lower stage,
   or the same stage without checkpointing): recomputation and sharding's extra communication
   cost time, and pay only by making room (DeepSpeed's autotuner stops climbing stages for the
-  same reason). The exception is the micro-batch where every cheaper family that ran it ran
-  near the cap: there the room a more sharded family frees may be what makes it faster, so the
-  next such family gets one trial at that micro-batch (once per micro-batch and precision), and
-  goes on only if it was faster.
+  same reason). So is a family whose larger micro-batches ran out of memory: what it still fits
+  must be larger than what the cheaper ways reached. The exception is the micro-batch where
+  every cheaper family that ran it ran near the cap: there the room a more sharded family frees
+  may be what makes it faster, so the next such family gets one trial at that micro-batch (once
+  per micro-batch and precision), and goes on only if it was faster; unless the near-full
+  trial's own step down ran with room and was not clearly faster, which shows the cap did not
+  slow it (a step down near the cap too shows nothing: the cap may have slowed both).
 * A family whose trial crashed, hung or was invalid is given up.
 * **Nothing is run that cannot beat the best measured.** Before a search trial runs, its
   throughput is bounded from above by what was measured, on two premises the rules above
@@ -476,16 +479,17 @@ class TrialSearch:
             if (oom_at is None or m < oom_at)
             and self.fits(self.space.config(stage, checkpointing, m, bf16))
         ]
+        if family in self._relieving and not self._relieved(family, tried):
+            return None
+        ok = [m for m, r in tried.items() if r.outcome == OK]
         reached = self._reached_by_cheaper(family)
-        if fitting and not tried and max(fitting) <= reached:
+        # Also once its larger micro-batches ran out of memory: what still fits must make room.
+        if fitting and not ok and max(fitting) <= reached:
             pressed = self._pressed_at(family, reached) if max(fitting) == reached else None
             if pressed is None:
                 self._skip(family, max(fitting), reached)
                 return None
             return self._relieve(family, pressed)
-        if family in self._relieving and not self._relieved(family, tried):
-            return None
-        ok = [m for m, r in tried.items() if r.outcome == OK]
         above = [m for m in fitting if m > max(ok, default=0) and m not in tried]
         if above:
             return self._propose(family, max(above))
@@ -521,7 +525,11 @@ class TrialSearch:
     def _pressed_at(self, family: Family, micro_batch: int) -> TrialResult | None:
         """The fastest cheaper trial at ``micro_batch`` if every cheaper family that ran it ran
         near the cap (None otherwise): there the cap may have slowed them, which the memory
-        ``family`` frees could undo, as stepping down the micro-batch could."""
+        ``family`` frees could undo, as stepping down the micro-batch could. Not where that
+        trial's step down already answered it: it ran with room (not near the cap) and was not
+        clearly faster, so the cap did not slow the fuller one by more than a larger
+        micro-batch saves. A step down near the cap too answers nothing: the cap may have slowed
+        both."""
         at = [
             r
             for key in self._cheaper(family)
@@ -531,7 +539,26 @@ class TrialSearch:
         tested = (micro_batch, family[2]) in self._relief_tested
         if tested or not at or not all(self._near_full(r) for r in at):
             return None
-        return max(at, key=lambda r: r.value(self.metric))
+        pressed = max(at, key=lambda r: r.value(self.metric))
+        below = self._next_smaller(pressed)
+        if below is None or self._near_full(below) or self.clearly_better(below, pressed):
+            return pressed
+        decision = (
+            f"{self._name(family)}: no trial at micro-batch {micro_batch}, "
+            f"{pressed.config.describe()} ran near the cap but {below.config.describe()}, "
+            "with room, was not faster"
+        )
+        if decision not in self.decisions:
+            self.decisions.append(decision)
+        return None
+
+    def _next_smaller(self, result: TrialResult) -> TrialResult | None:
+        """The ok trial of ``result``'s family at the next smaller micro-batch it ran (None:
+        none)."""
+        config = result.config
+        tried = self._tried((config.stage, config.checkpointing, config.bf16))
+        below = [m for m, r in tried.items() if m < config.micro_batch and r.outcome == OK]
+        return tried[max(below)] if below else None
 
     def _relieve(self, family: Family, pressed: TrialResult) -> Proposal:
         """One trial of ``family`` at the micro-batch where the cheaper ones ran near full."""
@@ -599,15 +626,13 @@ class TrialSearch:
         fullness = self._fullness(current)
         for result in self.results:
             config = result.config
-            family = (config.stage, config.checkpointing, config.bf16)
             if result.outcome != OK or result is current or self._fullness(result) < fullness:
                 continue
-            tried = self._tried(family)
-            below = [m for m, r in tried.items() if m < config.micro_batch and r.outcome == OK]
-            if below and not self.clearly_better(tried[max(below)], result):
+            below = self._next_smaller(result)
+            if below is not None and not self.clearly_better(below, result):
                 decision = (
                     f"{current.config.describe()}: not stepped down, "
-                    f"{tried[max(below)].config.describe()} was not faster than the fuller "
+                    f"{below.config.describe()} was not faster than the fuller "
                     f"{config.describe()}"
                 )
                 if decision not in self.decisions:
