@@ -229,7 +229,28 @@ class TrialMeasurement:
                 module.register_forward_hook(self._after_block)
         (self.trial_dir / f"pid.{self.rank}").write_text(str(os.getpid()), encoding="utf-8")
 
+    def _end_if_out_of_memory(self) -> None:
+        """End the trial as ``oom`` once an out-of-memory error was raised in this rank, even
+        if the script caught it and went on (fairseq-style, skipping the batch): the
+        configuration does not fit, and its steps from then on (a skipped micro-step, a rank
+        out of step with the others) measure nothing or fail as something else."""
+        error = self.meter.out_of_memory()
+        if error is None:
+            return
+        write_json(
+            self.trial_dir / f"rank{self.rank}.json",
+            {
+                "rank": self.rank,
+                "outcome": "oom",
+                "error": f"{error} (the script caught the error and went on)",
+            },
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # the trial is over; its peers fail in their next collective
+
     def _before_forward(self, module: nn.Module, inputs: tuple[Any, ...]) -> None:
+        self._end_if_out_of_memory()
         # A training forward: an evaluation (no_grad, or eval mode) is no micro-step.
         if torch.is_grad_enabled() and module.training:
             self._forwards += 1
@@ -299,6 +320,7 @@ class TrialMeasurement:
         )
 
     def _after_step(self, *_: Any) -> None:
+        self._end_if_out_of_memory()
         self._check_step()
         self._forwards = 0
         self._micro_steps.clear()

@@ -202,3 +202,40 @@ def test_prepare_after_another_model_was_wrapped_crashes_saying_the_order(tmp_pa
         "distune.DistributedDataParallel" in report["error"]
     )
     assert not (tmp_path / "trial" / "result.json").exists()
+
+
+# fairseq-style: a batch that runs out of memory is skipped, the error caught (the cap's here).
+SKIPS_OOM = textwrap.dedent(
+    """
+    import sys
+    import torch, torch.distributed as dist
+    from torch import nn
+    import distune
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    model = nn.Linear(16, 1)
+    run = distune.prepare(model, torch.optim.SGD(model.parameters()), micro_batch_size=2)
+    for step in range(100):
+        try:
+            with run.accumulate(0):
+                if step == 2:
+                    torch.empty(2**20, dtype=torch.uint8)  # over the cap
+                run.model(torch.randn(2, 16)).sum().backward()
+            run.optimizer.step()
+        except torch.OutOfMemoryError:
+            print("out of memory, skipping batch", flush=True)
+        run.optimizer.zero_grad()
+    sys.exit(3)
+    """
+)
+
+
+def test_an_out_of_memory_error_the_script_catches_ends_the_trial_as_oom(tmp_path):
+    done = trial(tmp_path, 2, 1, SKIPS_OOM, DISTUNE_DEVICE_MEMORY=str(2**19))
+    assert "skipping batch" in done.stdout
+    assert done.returncode == 1, done.stdout + done.stderr
+    report = json.loads((tmp_path / "trial" / "rank0.json").read_text())
+    assert report["outcome"] == "oom"
+    assert report["error"].startswith("distune device memory cap: ")
+    assert report["error"].endswith("(the script caught the error and went on)")
+    assert not (tmp_path / "trial" / "result.json").exists()
