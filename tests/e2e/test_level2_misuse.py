@@ -94,6 +94,32 @@ def test_a_prepare_script_that_ignores_the_trials_micro_batch_crashes_rather_tha
     )
 
 
+# Rank 1's script ends at once; rank 0 then fails, as in its next collective with rank 1.
+ENDS_EARLY = """
+import os, sys, time
+if os.environ["RANK"] == "0":
+    time.sleep(1.0)
+    sys.exit("Connection closed by peer")
+"""
+
+
+def test_a_rank_whose_script_ended_early_is_named_as_the_cause_of_the_crash(tmp_path):
+    script = tmp_path / "ends_early.py"
+    script.write_text(ENDS_EARLY)
+    args, _ = parse(["--nproc_per_node", "2", str(script)])
+    run = TrialRunner(args, TRIAL_TIMEOUT, tmp_path / "trials").run(
+        0, TrialSettings(), [], free_port()
+    )
+    assert run.outcome == CRASH
+    assert run.error is not None
+    assert run.error.startswith("rank 0 exited with status 1")
+    # torch's agent names only rank 0: rank 1 ended well, but first.
+    assert run.error.splitlines()[-1].startswith(
+        "rank 1 exited with status 0 while the others trained (the script ended early there), "
+        "so rank 0 failed in a collective"
+    )
+
+
 # A launcher as the trial runner starts a trial, which then dies without stopping it.
 LAUNCHER = """
 import os, subprocess, sys, time

@@ -42,6 +42,7 @@ TORCH_FREE = [
     "distune",
     "distune.errors",
     "distune.checks",
+    "distune.cut_line",
     "distune.space",
     "distune.worker_settings",
     "distune.trial_settings",

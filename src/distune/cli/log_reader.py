@@ -22,7 +22,7 @@ from pathlib import Path
 import pandas as pd
 
 from distune.cli import CommandError
-from distune.cli.cut_line import say_cut, without_cut_line
+from distune.cut_line import parse_keeping_finished
 
 #: The columns the commands read, with how each is parsed; a log has these and more.
 NUMERIC_COLUMNS = ("bucket_size_2p", "score", "train_iter", "sample", "seconds", "gain_vs_default")
@@ -107,15 +107,7 @@ def read_log(path: str | os.PathLike[str]) -> list[ModelRun]:
     except (OSError, UnicodeDecodeError) as error:
         reason = getattr(error, "strerror", None) or " ".join(str(error).split())
         raise LogError(f"cannot read the tuning log {path}: {reason}") from None
-    try:
-        return _runs(text, path)
-    except LogError:
-        cut = without_cut_line(text)
-        if cut is None:
-            raise
-        runs = _runs(cut[0], path)
-        say_cut(path, cut[1])
-        return runs
+    return parse_keeping_finished(path, text, lambda finished: _runs(finished, path), LogError)
 
 
 def _runs(text: str, path: Path) -> list[ModelRun]:

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from distune.cli import CommandError
-from distune.cli.cut_line import say_cut, without_cut_line
+from distune.cut_line import parse_keeping_finished
 from distune.tuning_service.trials.trial_result import (
     TrialRecordError,
     TrialResult,
@@ -51,14 +51,11 @@ def read_trials(path: Path) -> list[TrialResult]:
     except UnicodeDecodeError:
         raise TrialLogError(f"{path} is not a text file") from None
     try:
-        trials = parse_trial_lines(text.splitlines())
+        trials = parse_keeping_finished(
+            path, text, lambda finished: parse_trial_lines(finished.splitlines()), TrialRecordError
+        )
     except TrialRecordError as error:
-        cut = without_cut_line(text)
-        if cut is None or error.number != text.count("\n") + 1:
-            raise _damaged(path, error) from None
-        # Only the unfinished last line failed: the lines before it are whole records.
-        trials = parse_trial_lines(cut[0].splitlines())
-        say_cut(path, cut[1])
+        raise _damaged(path, error) from None
     if not trials:
         raise TrialLogError(f"{path} holds no trial")
     return trials

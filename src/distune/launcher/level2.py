@@ -30,6 +30,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.run import parse_min_max_nnodes
 
+from distune.cut_line import parse_keeping_finished
 from distune.errors import ServiceError
 from distune.launcher.options import AutotuneOptions, OptionError, flags, local_world_size
 from distune.launcher.trial_args import rewrite_script_args
@@ -275,16 +276,24 @@ def trial_world(args: argparse.Namespace) -> tuple[int, int]:
     return 1, local
 
 
-def earlier_results(directory: Path) -> list[TrialResult]:
-    """The trials recorded in ``directory``'s ``trials.jsonl`` (``--autotune_resume``);
-    OptionError naming a line that holds no trial record (a file edited or cut short)."""
+def earlier_results(directory: Path, say_cut: bool = False) -> list[TrialResult]:
+    """The trials recorded in ``directory``'s ``trials.jsonl`` (``--autotune_resume``); a last
+    line cut short (the run stopped while writing it) is left out, saying so where
+    ``say_cut``; OptionError naming a finished line that holds no trial record (a file
+    edited)."""
     path = directory / "trials.jsonl"
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise OptionError(f"--autotune_resume: cannot read {path}: {error}") from None
     try:
-        return parse_trial_lines(lines)
+        return parse_keeping_finished(
+            path,
+            text,
+            lambda finished: parse_trial_lines(finished.splitlines()),
+            TrialRecordError,
+            say_cut,
+        )
     except TrialRecordError as error:
         raise OptionError(
             f"--autotune_resume: {path} line {error.number} is not a trial record "

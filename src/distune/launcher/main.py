@@ -155,7 +155,7 @@ def _check_resume(
     """Refuse to resume a directory whose trials cannot be read, or are of another job
     (OptionError)."""
     assert options.autotune_resume is not None
-    earlier_results(options.autotune_resume)  # every line a trial record
+    earlier_results(options.autotune_resume, say_cut=True)  # every finished line a record
     job = TunedJob.of(args, pins, options.autotune_device_memory, world)
     try:
         checked = job.check_resume(options.autotune_resume)

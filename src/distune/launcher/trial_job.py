@@ -8,7 +8,9 @@ without stopping it (SIGKILL, the kernel's OOM killer), the kernel sends it SIGT
 (``PR_SET_PDEATHSIG``, Linux), on which torch's agent stops its ranks.
 When a rank fails, the first failure (its rank, local rank and exit code) is written as JSON to
 ``failure.json`` beside SPEC, so the launcher finds that rank's own output without reading the
-log.
+log; with it the ranks of this node that had already exited with status 0 (``ended``), which
+torch's agent leaves out of its failures: a script that ended early on one rank makes its
+peers fail in their next collective, and that rank is the cause.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from distune.launcher.options import local_world_size
 from distune.launcher.trial_runner import FAILURE_FILE, failure_exit_code
 
 #: prctl's option: the signal this process gets when its parent ends.
@@ -51,7 +54,14 @@ def main(argv: list[str]) -> int:
         print(error.format_msg(), file=sys.stderr, flush=True)
         rank, failure = error.get_first_failure()
         code = failure_exit_code(error)
-        first = {"rank": rank, "local_rank": failure.local_rank, "exit_code": code}
+        # The agent stopped every rank still running (a failure too); the others had ended well.
+        failed = {f.local_rank for f in error.failures.values()}
+        ended = [
+            rank - failure.local_rank + local
+            for local in range(local_world_size(args))
+            if local not in failed
+        ]
+        first = {"rank": rank, "local_rank": failure.local_rank, "exit_code": code, "ended": ended}
         Path(argv[0]).with_name(FAILURE_FILE).write_text(json.dumps(first), encoding="utf-8")
         return code
     return 0

@@ -180,6 +180,23 @@ def failure_tail(trial_dir: Path) -> str:
     return read_log_tail(trial_dir / LOG_FILE)
 
 
+def ended_early(trial_dir: Path) -> str | None:
+    """Where ranks of this node had exited with status 0 before another failed (the
+    ``ended`` of ``failure.json``): what that says, else None. Such a rank's script left
+    its loop early, and the others failed in their next collective: the cause, not their
+    errors."""
+    failure = read_json_object(trial_dir / FAILURE_FILE) or {}
+    ended = failure.get("ended")
+    if not ended or not isinstance(ended, list):
+        return None
+    ranks = f"rank{'s' if len(ended) > 1 else ''} {', '.join(map(str, ended))}"
+    return (
+        f"{ranks} exited with status 0 while the others trained (the script ended early "
+        f"there), so rank {failure.get('rank')} failed in a collective; every rank must run "
+        "the trial's steps"
+    )
+
+
 class TrialRunner:
     """Runs trials of one script with the job's torchrun arguments."""
 
@@ -263,6 +280,8 @@ class TrialRunner:
         outcome, error = classify(
             exit_code, timed_out, reports, result, failure_tail(trial_dir), self.node_rank == 0
         )
+        if outcome == CRASH and (early := ended_early(trial_dir)) is not None:
+            error = f"{error}\n{early}" if error else early
         if outcome == TIMEOUT and not any(trial_dir.glob("pid.*")):
             # Each rank writes its pid file once distune measures it: none did.
             error = (

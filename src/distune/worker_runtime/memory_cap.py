@@ -40,6 +40,12 @@ class MemoryMeter(Protocol):
         """Start a new peak from what is alive now."""
         ...
 
+    def out_of_memory(self) -> str | None:
+        """What the first out-of-memory error since the meter started said, or None: the
+        script may have caught it and gone on (skipping the batch), but the step did not
+        fit."""
+        ...
+
 
 class LiveTensorBytes(TorchDispatchMode):
     """Counts the bytes of live tensor storages on this thread; optionally caps them."""
@@ -51,6 +57,7 @@ class LiveTensorBytes(TorchDispatchMode):
         self._peak = 0
         self._sizes: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._original_resize: Any = None
+        self._out_of_memory: str | None = None
 
     def live_bytes(self) -> int:
         """Bytes of counted storages alive now."""
@@ -63,6 +70,10 @@ class LiveTensorBytes(TorchDispatchMode):
     def reset_peak(self) -> None:
         """Start a new peak from what is alive now."""
         self._peak = self._live
+
+    def out_of_memory(self) -> str | None:
+        """The first cap error this count raised, or None."""
+        return self._out_of_memory
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count tensors that were created before the count began (a model's parameters)."""
@@ -102,10 +113,12 @@ class LiveTensorBytes(TorchDispatchMode):
     def _check(self, requested: int) -> None:
         self._peak = max(self._peak, self._live)
         if self.cap is not None and self._live > self.cap:
-            raise torch.OutOfMemoryError(
+            message = (
                 f"distune device memory cap: {self._live} bytes live after allocating "
                 f"{requested} bytes, over the cap of {self.cap} bytes (--autotune_device_memory)"
             )
+            self._out_of_memory = self._out_of_memory or message
+            raise torch.OutOfMemoryError(message)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -141,6 +154,15 @@ class CudaMemory:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(cap / total, 1.0), device)
         torch.cuda.reset_peak_memory_stats(device)
+        self._ooms_before = self._ooms()
+
+    def _ooms(self) -> int:
+        return int(torch.cuda.memory_stats(self.device).get("num_ooms", 0))
+
+    def out_of_memory(self) -> str | None:
+        """Whether the allocator failed since the meter started (its ``num_ooms``)."""
+        failures = self._ooms() - self._ooms_before
+        return f"CUDA out of memory ({failures} allocation failure(s))" if failures else None
 
     def live_bytes(self) -> int:
         """Bytes allocated to tensors now."""

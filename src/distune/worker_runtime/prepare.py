@@ -22,13 +22,17 @@ import torch.distributed as dist
 from torch import nn
 
 from distune.trial_settings import TrialSettings
-from distune.worker_runtime.memory_cap import MemoryMeter, start_meter
+from distune.worker_runtime.memory_cap import MemoryMeter
 from distune.worker_runtime.strategy import apply, repeated_blocks
 from distune.worker_runtime.trial_measurement import (
     PREPARE,
     TrialMeasurement,
+    TrialStepError,
+    WrapperMeasurement,
     install_failure_report,
+    measures_trial,
     preparing,
+    process_meter,
 )
 
 logger = logging.getLogger(__name__)
@@ -124,13 +128,24 @@ def prepare(
         )
     settings = TrialSettings.from_env()
     rank = dist.get_rank()
-    if settings.trial_dir is not None:
+    device = next(model.parameters()).device
+    meter = earlier = None
+    if settings.is_trial or settings.device_memory is not None:
+        tensors = [*model.parameters(), *model.buffers()]
+        meter, earlier = process_meter(device, settings.device_memory, tensors)
+    if isinstance(earlier, WrapperMeasurement):
+        raise TrialStepError(
+            "distune trial: distune.prepare was called after another model was wrapped in "
+            "distune.DistributedDataParallel: a trial measures the steps of the first model "
+            "handed to distune; call distune.prepare first (for every model it tunes), then "
+            "wrap the others"
+        )
+    if settings.trial_dir is not None and earlier is None:
         install_failure_report(settings.trial_dir, rank)
         if settings.collective_timeout is not None:
             # A peer rank that died (on another node, say) must not hold this one in a
             # collective for torch's default 30 minutes, even if its launcher is gone.
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=settings.collective_timeout))
-    device = next(model.parameters()).device
     micro = settings.micro_batch or micro_batch_size
     accumulation = settings.accumulation or gradient_accumulation_steps
     stage = settings.stage if settings.stage is not None else 0
@@ -139,10 +154,6 @@ def prepare(
     block_classes = tuple(blocks) if blocks is not None else repeated_blocks(model)
     parameter_bytes, gradient_bytes, largest_block = _facts(model, block_classes)
 
-    meter = None
-    if settings.is_trial or settings.device_memory is not None:
-        tensors = [*model.parameters(), *model.buffers()]
-        meter = start_meter(device, settings.device_memory, tensors)
     with preparing():  # the DDP made here is measured by prepare, not by itself
         applied = apply(model, optimizer, stage, checkpointing, device, name, block_classes, bf16)
     prepared = Prepared(
@@ -164,38 +175,49 @@ def prepare(
             ", activation checkpointing" if checkpointing else "",
             ", bf16 mixed precision" if bf16 else "",
         )
-    if settings.trial_dir is not None:
-        assert meter is not None
-        world = dist.get_world_size()
+    if settings.trial_dir is None:
+        return prepared
 
-        def describe() -> dict[str, Any]:
-            return {
-                "api": PREPARE,
-                "config": {
-                    "micro_batch": micro,
-                    "accumulation": accumulation,
-                    "stage": stage,
-                    "checkpointing": checkpointing,
-                    "bf16": bf16,
-                },
-                "world_size": world,
-                "parameter_bytes": parameter_bytes,
-                "gradient_bytes": gradient_bytes,
-                "largest_block_bytes": largest_block,
-                "optimizer_state_bytes": _optimizer_state_bytes(applied.optimizer, gradient_bytes),
-            }
+    def facts() -> dict[str, int]:
+        return {
+            "parameter_bytes": parameter_bytes,
+            "gradient_bytes": gradient_bytes,
+            "largest_block_bytes": largest_block,
+            "optimizer_state_bytes": _optimizer_state_bytes(applied.optimizer, gradient_bytes),
+        }
 
-        measurement = TrialMeasurement(
-            settings.trial_dir,
-            meter,
-            samples_per_step=micro * accumulation * world,
-            micro_batch=micro,
-            warmup=settings.warmup_steps,
-            measured=settings.measured_steps,
-            device=device,
-            describe=describe,
-            accumulation=accumulation,
-        )
-        measurement.attach(applied.model, applied.optimizer, block_classes)
-        return replace(prepared, measurement=measurement)
-    return prepared
+    if earlier is not None:
+        # A second model (a GAN's discriminator): the first one's steps are the trial's.
+        earlier.add_model(facts)
+        return prepared
+    assert meter is not None
+    world = dist.get_world_size()
+
+    def describe() -> dict[str, Any]:
+        return {
+            "api": PREPARE,
+            "config": {
+                "micro_batch": micro,
+                "accumulation": accumulation,
+                "stage": stage,
+                "checkpointing": checkpointing,
+                "bf16": bf16,
+            },
+            "world_size": world,
+            **facts(),
+        }
+
+    measurement = TrialMeasurement(
+        settings.trial_dir,
+        meter,
+        samples_per_step=micro * accumulation * world,
+        micro_batch=micro,
+        warmup=settings.warmup_steps,
+        measured=settings.measured_steps,
+        device=device,
+        describe=describe,
+        accumulation=accumulation,
+    )
+    measurement.attach(applied.model, applied.optimizer, block_classes)
+    measures_trial(measurement)
+    return replace(prepared, measurement=measurement)

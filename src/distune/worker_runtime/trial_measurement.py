@@ -21,8 +21,9 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -51,12 +52,53 @@ PREPARE = "prepare"
 WRAPPER = "wrapper"
 #: True while ``distune.prepare`` builds its wrappers: they are measured by prepare.
 _PREPARING: ContextVar[bool] = ContextVar("distune_preparing", default=False)
-#: Set once a wrapper measures this process's trial: a second wrapper leaves it to the first.
-_MEASURING: ContextVar[bool] = ContextVar("distune_measuring", default=False)
+#: A model's sizes a trial reports; a process's models add up (``largest_block_bytes``: the
+#: largest of them).
+_SUMMED_FACTS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes")
 
 
 class TrialStepError(DistuneError, RuntimeError):
     """A trial's steps do not match its configuration; the message says what differed."""
+
+
+@dataclass
+class _ProcessMeasure:
+    """A process's one memory meter and, in a trial, its one measurement, whatever the
+    number of models it hands to distune (a GAN's two ``prepare`` calls)."""
+
+    meter: MemoryMeter
+    #: The job's default process group: a new one (a test's next job) starts afresh.
+    group: object
+    measurement: TrialMeasurement | None = None
+
+
+#: This process's meter and measurement, once the first model started them.
+_PROCESS: ContextVar[_ProcessMeasure | None] = ContextVar("distune_process", default=None)
+
+
+def process_meter(
+    device: torch.device, cap: int | None, tensors: Iterable[torch.Tensor]
+) -> tuple[MemoryMeter, TrialMeasurement | None]:
+    """This process's meter, counting ``tensors`` (a model's parameters and buffers), and the
+    measurement an earlier model started (None for the first). The first model starts the
+    meter; a later one's tensors join it, so the peak and the cap count every model: a meter
+    each would miss the others' parameters, made before it started."""
+    active = _PROCESS.get()
+    if active is None or active.group is not dist.group.WORLD:
+        meter = start_meter(device, cap, tensors)
+        _PROCESS.set(_ProcessMeasure(meter, dist.group.WORLD))
+        return meter, None
+    if isinstance(active.meter, LiveTensorBytes):
+        active.meter.track(tensors)
+    return active.meter, active.measurement
+
+
+def measures_trial(measurement: TrialMeasurement) -> None:
+    """Record ``measurement`` as this process's (after :func:`process_meter`): later models
+    add their sizes to it."""
+    active = _PROCESS.get()
+    assert active is not None, "process_meter starts the process's measure"
+    active.measurement = measurement
 
 
 @contextlib.contextmanager
@@ -147,6 +189,25 @@ class TrialMeasurement:
         self._forwards = 0
         #: The ``run.accumulate(i)`` micro-steps of this optimizer step, in order.
         self._micro_steps: list[int] = []
+        #: The sizes of the process's later models, read when the trial reports.
+        self._more_models: list[Callable[[], dict[str, int]]] = []
+
+    def add_model(self, facts: Callable[[], dict[str, int]]) -> None:
+        """Count a later model of the process in the sizes the trial reports (``facts()``,
+        read at the end: its optimizer state exists after steps); its forwards and steps are
+        not counted: the first model's optimizer steps are the trial's steps."""
+        self._more_models.append(facts)
+
+    def _description(self) -> dict[str, Any]:
+        described = self._describe()
+        for more in self._more_models:
+            facts = more()
+            for key in _SUMMED_FACTS:
+                described[key] += facts[key]
+            described["largest_block_bytes"] = max(
+                described["largest_block_bytes"], facts["largest_block_bytes"]
+            )
+        return described
 
     def attach(
         self,
@@ -168,7 +229,28 @@ class TrialMeasurement:
                 module.register_forward_hook(self._after_block)
         (self.trial_dir / f"pid.{self.rank}").write_text(str(os.getpid()), encoding="utf-8")
 
+    def _end_if_out_of_memory(self) -> None:
+        """End the trial as ``oom`` once an out-of-memory error was raised in this rank, even
+        if the script caught it and went on (fairseq-style, skipping the batch): the
+        configuration does not fit, and its steps from then on (a skipped micro-step, a rank
+        out of step with the others) measure nothing or fail as something else."""
+        error = self.meter.out_of_memory()
+        if error is None:
+            return
+        write_json(
+            self.trial_dir / f"rank{self.rank}.json",
+            {
+                "rank": self.rank,
+                "outcome": "oom",
+                "error": f"{error} (the script caught the error and went on)",
+            },
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # the trial is over; its peers fail in their next collective
+
     def _before_forward(self, module: nn.Module, inputs: tuple[Any, ...]) -> None:
+        self._end_if_out_of_memory()
         # A training forward: an evaluation (no_grad, or eval mode) is no micro-step.
         if torch.is_grad_enabled() and module.training:
             self._forwards += 1
@@ -238,6 +320,7 @@ class TrialMeasurement:
         )
 
     def _after_step(self, *_: Any) -> None:
+        self._end_if_out_of_memory()
         self._check_step()
         self._forwards = 0
         self._micro_steps.clear()
@@ -281,7 +364,7 @@ class TrialMeasurement:
                 "peak_memory_bytes": int(peak),
                 "activation_bytes_per_sample": int(activation / self.micro_batch),
                 "checkpointed_activation_bytes_per_sample": int(checkpointed / self.micro_batch),
-                **self._describe(),
+                **self._description(),
             }
             write_json(self.trial_dir / RESULT_FILE, result)
         dist.barrier()
@@ -291,6 +374,19 @@ class TrialMeasurement:
         # The trial is over: the script's remaining loop must not run (see examples/job.py on
         # why a rank ends without finalizing the interpreter).
         os._exit(0)
+
+
+def wrapped_model_facts(module: nn.Module) -> dict[str, int]:
+    """The sizes a trial reports of a model wrapped in distune's DDP without ``prepare``."""
+    params = list(module.parameters())
+    return {
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
+        "gradient_bytes": sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+        # Only DDP without checkpointing is tried: no block or optimizer share is needed,
+        # and the optimizer (which the wrapper never sees) is in the profile's residual.
+        "largest_block_bytes": 0,
+        "optimizer_state_bytes": 0,
+    }
 
 
 def _samples(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
@@ -320,14 +416,7 @@ class WrapperMeasurement(TrialMeasurement):
         device: torch.device,
     ) -> None:
         params = list(module.parameters())
-        self._facts = {
-            "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
-            "gradient_bytes": sum(p.numel() * p.element_size() for p in params if p.requires_grad),
-            # Only DDP without checkpointing is tried: no block or optimizer share is needed,
-            # and the optimizer (which the wrapper never sees) is in the profile's residual.
-            "largest_block_bytes": 0,
-            "optimizer_state_bytes": 0,
-        }
+        self._facts = wrapped_model_facts(module)
         super().__init__(
             trial_dir,
             meter,
@@ -416,19 +505,24 @@ def measure_wrapper_in_trial(wrapper: nn.Module, module: nn.Module, reducer: Red
     """Called by every ``distune.DistributedDataParallel`` it builds. Inside a level-2 trial
     (``DISTUNE_TRIAL_DIR``) of a script that did not go through ``distune.prepare``, measure
     its steps through the wrapper, capped, and report as a prepared trial does; outside one,
-    only apply the device memory cap if the launcher set one. Only the first such wrapper of
-    a process does (a second model's steps are counted in the first's)."""
-    if _PREPARING.get() or _MEASURING.get():
+    only apply the device memory cap if the launcher set one. Only the process's first model
+    is measured so (a later model's steps are counted in the first's); every model's tensors
+    are counted in the memory, and its sizes in the trial's."""
+    if _PREPARING.get():
         return
     settings = TrialSettings.from_env()
     if not settings.is_trial and settings.device_memory is None:
         return
-    _MEASURING.set(True)  # one meter and one measurement per process
     device = next(module.parameters()).device
-    meter = start_meter(device, settings.device_memory, [*module.parameters(), *module.buffers()])
+    tensors = [*module.parameters(), *module.buffers()]
+    meter, earlier = process_meter(device, settings.device_memory, tensors)
     if settings.trial_dir is None:
         return
-    rank = dist.get_rank()
-    install_failure_report(settings.trial_dir, rank)
+    if earlier is not None:
+        facts = wrapped_model_facts(module)
+        earlier.add_model(lambda: facts)
+        return
+    install_failure_report(settings.trial_dir, dist.get_rank())
     measurement = WrapperMeasurement(settings.trial_dir, meter, settings, module, device)
     measurement.attach_wrapper(wrapper, reducer)
+    measures_trial(measurement)

@@ -9,7 +9,7 @@ import pytest
 
 from distune.launcher.level2 import trial_world
 from distune.launcher.main import main
-from distune.launcher.options import parse, trial_pins
+from distune.launcher.options import OptionError, parse, trial_pins
 from distune.launcher.tuned_job import JOB_FILE, OtherJobError, TunedJob
 
 MAPPINGS = "arg_mappings: {train_micro_batch_size_per_gpu: --bs}\n"
@@ -102,6 +102,28 @@ def test_a_results_directory_with_a_broken_trial_line_exits_2_naming_it(
         f"distune-run: error: --autotune_resume: {results / 'trials.jsonl'} line 1 is not a "
         f"trial record ({why}"
     )
+
+
+def test_a_resume_keeps_the_finished_trials_of_a_file_whose_last_line_was_cut(tmp_path, capsys):
+    from distune.launcher.level2 import earlier_results
+    from distune.tuning_service.trials.trial_config import TrialConfig
+    from distune.tuning_service.trials.trial_result import TrialResult
+
+    results = earlier_run(tmp_path, ["train.py"])
+    record = TrialResult(0, TrialConfig(2, 4, 0, False), 1, "crash", "profile", error="boom")
+    cut = '{"trial": 1, "config": {"train_micro_ba'
+    (results / "trials.jsonl").write_text(json.dumps(record.to_json()) + "\n" + cut)
+    assert earlier_results(results) == [record]
+    # Through distune-run: the cut line is named, and the run goes on to its next check (the
+    # script, missing here) instead of refusing the finished trial.
+    assert main(["--autotune_level", "2", "--autotune_resume", str(results), "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert f"distune: {results / 'trials.jsonl'}: its last line is cut short" in err
+    assert "training script 'train.py'" in err
+    # A damaged finished line is still refused.
+    (results / "trials.jsonl").write_text(cut + "\n" + json.dumps(record.to_json()))
+    with pytest.raises(OptionError, match="line 1 is not a trial record"):
+        earlier_results(results)
 
 
 def test_resuming_in_place_keeps_every_earlier_record(tmp_path):

@@ -53,10 +53,56 @@ SCRIPT = textwrap.dedent(
 
 PARAMETER_BYTES = (32 * 256 + 256 + 256 * 32 + 32) * 4
 
+# A GAN: two models handed to distune, through prepare or wrapped; the discriminator steps
+# first in each iteration, so its steps would end the trial first if each model had its own.
+GAN = textwrap.dedent(
+    """
+    import sys
+    import torch, torch.distributed as dist
+    from torch import nn
+    import distune
 
-def trial(tmp_path: Path, micro: int, accumulation: int, **env: str) -> subprocess.CompletedProcess:
+    micro, api = int(sys.argv[1]), sys.argv[3]
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    torch.manual_seed(0)
+    g = nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Linear(256, 16))
+    d = nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 1))
+    if api == "prepare":
+        g = distune.prepare(g, torch.optim.Adam(g.parameters()), micro_batch_size=micro)
+        d = distune.prepare(d, torch.optim.Adam(d.parameters()), micro_batch_size=micro)
+        G, D, og, od = g.model, d.model, g.optimizer, d.optimizer
+    elif api == "wrapper":
+        G, D = distune.DistributedDataParallel(g), distune.DistributedDataParallel(d)
+        og, od = torch.optim.Adam(G.parameters()), torch.optim.Adam(D.parameters())
+    else:  # the generator wrapped, then the discriminator through prepare
+        G = distune.DistributedDataParallel(g)
+        d = distune.prepare(d, torch.optim.Adam(d.parameters()), micro_batch_size=micro)
+    bce = nn.BCEWithLogitsLoss()
+    for step in range(100):
+        fake = G(torch.randn(micro, 8))
+        real = bce(D(torch.randn(micro, 16)), torch.ones(micro, 1))
+        od.zero_grad()
+        (real + bce(D(fake.detach()), torch.zeros(micro, 1))).backward()
+        od.step()
+        og.zero_grad()
+        bce(D(fake), torch.ones(micro, 1)).backward()
+        og.step()
+    sys.exit(3)
+    """
+)
+GAN_BYTES = (8 * 256 + 256 + 256 * 16 + 16 + 16 * 512 + 512 + 512 + 1) * 4
+
+
+def trial(
+    tmp_path: Path,
+    micro: int,
+    accumulation: int,
+    text: str = SCRIPT,
+    args: tuple[str, ...] = (),
+    **env: str,
+) -> subprocess.CompletedProcess:
     script = tmp_path / "script.py"
-    script.write_text(SCRIPT)
+    script.write_text(text)
     trial_dir = tmp_path / "trial"
     trial_dir.mkdir()
     environ = {
@@ -71,7 +117,7 @@ def trial(tmp_path: Path, micro: int, accumulation: int, **env: str) -> subproce
         }
     )
     return subprocess.run(
-        [sys.executable, str(script), str(micro), str(accumulation)],
+        [sys.executable, str(script), str(micro), str(accumulation), *args],
         env=environ,
         capture_output=True,
         text=True,
@@ -127,3 +173,69 @@ def test_a_wrapper_made_by_prepare_is_not_measured_twice(tmp_path, monkeypatch):
     finally:
         dist.destroy_process_group()
     assert list(tmp_path.iterdir()) == []  # no pid, progress or result file
+
+
+@pytest.mark.parametrize("api", ["prepare", "wrapper"])
+def test_a_gans_two_models_are_both_in_the_trials_sizes_and_memory(tmp_path, api):
+    done = trial(tmp_path, 4, 1, GAN, (api,), DISTUNE_DEVICE_MEMORY=str(64 * 2**20))
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((tmp_path / "trial" / "result.json").read_text())
+    assert result["api"] == api
+    # Both models' sizes (each model's own measurement ended the trial with its own alone).
+    assert result["parameter_bytes"] == result["gradient_bytes"] == GAN_BYTES
+    # Through prepare, Adam's two moments and step counts of both models' 8 parameters (the
+    # wrapper never sees the optimizer).
+    assert result["optimizer_state_bytes"] == (2 * GAN_BYTES + 8 * 4 if api == "prepare" else 0)
+    # A step is the first model's optimizer step: the whole iteration, of 4 samples.
+    assert result["config"]["micro_batch"] == 4
+    assert result["throughput"] == pytest.approx(4 / result["step_seconds"])
+    assert result["peak_memory_bytes"] >= (4 if api == "prepare" else 2) * GAN_BYTES
+
+
+def test_prepare_after_another_model_was_wrapped_crashes_saying_the_order(tmp_path):
+    done = trial(tmp_path, 4, 1, GAN, ("mixed",))
+    assert done.returncode != 0
+    report = json.loads((tmp_path / "trial" / "rank0.json").read_text())
+    assert report["outcome"] == "crash"
+    assert (
+        "distune.prepare was called after another model was wrapped in "
+        "distune.DistributedDataParallel" in report["error"]
+    )
+    assert not (tmp_path / "trial" / "result.json").exists()
+
+
+# fairseq-style: a batch that runs out of memory is skipped, the error caught (the cap's here).
+SKIPS_OOM = textwrap.dedent(
+    """
+    import sys
+    import torch, torch.distributed as dist
+    from torch import nn
+    import distune
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    model = nn.Linear(16, 1)
+    run = distune.prepare(model, torch.optim.SGD(model.parameters()), micro_batch_size=2)
+    for step in range(100):
+        try:
+            with run.accumulate(0):
+                if step == 2:
+                    torch.empty(2**20, dtype=torch.uint8)  # over the cap
+                run.model(torch.randn(2, 16)).sum().backward()
+            run.optimizer.step()
+        except torch.OutOfMemoryError:
+            print("out of memory, skipping batch", flush=True)
+        run.optimizer.zero_grad()
+    sys.exit(3)
+    """
+)
+
+
+def test_an_out_of_memory_error_the_script_catches_ends_the_trial_as_oom(tmp_path):
+    done = trial(tmp_path, 2, 1, SKIPS_OOM, DISTUNE_DEVICE_MEMORY=str(2**19))
+    assert "skipping batch" in done.stdout
+    assert done.returncode == 1, done.stdout + done.stderr
+    report = json.loads((tmp_path / "trial" / "rank0.json").read_text())
+    assert report["outcome"] == "oom"
+    assert report["error"].startswith("distune device memory cap: ")
+    assert report["error"].endswith("(the script caught the error and went on)")
+    assert not (tmp_path / "trial" / "result.json").exists()

@@ -3,14 +3,18 @@
 The service's CSV log and level 2's ``trials.jsonl`` are appended a whole line at a time, so a
 complete file ends with a newline. One that does not, and whose last line cannot be read, was
 cut while that line was written (the job killed, the disk full): every finished line before it
-is still good, so ``distune log`` and ``distune plot`` read those and say what they left out,
-rather than refuse the whole file.
+is still good, so ``distune log``, ``distune plot`` and ``distune-run --autotune_resume`` read
+those and say what they left out, rather than refuse the whole file.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+Parsed = TypeVar("Parsed")
 
 
 def without_cut_line(text: str) -> tuple[str, str] | None:
@@ -30,3 +34,26 @@ def say_cut(path: Path, line: str) -> None:
         "writing it?); read without it",
         file=sys.stderr,
     )
+
+
+def parse_keeping_finished(
+    path: Path,
+    text: str,
+    parse: Callable[[str], Parsed],
+    error: type[Exception],
+    say: bool = True,
+) -> Parsed:
+    """``parse(text)``, the file ``path``'s text; where that raises ``error`` and the last line
+    is unfinished, ``parse`` of the finished lines, saying (if ``say``) which line was left
+    out. A damaged finished line still raises ``error``: the parse without the cut line fails
+    at the same line."""
+    try:
+        return parse(text)
+    except error:
+        cut = without_cut_line(text)
+        if cut is None:
+            raise
+    parsed = parse(cut[0])
+    if say:
+        say_cut(path, cut[1])
+    return parsed
