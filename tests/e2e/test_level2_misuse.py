@@ -61,7 +61,8 @@ def test_a_script_that_never_reaches_distune_times_out_saying_so(tmp_path):
     assert run.error == (
         "no rank reached distune.prepare or distune.DistributedDataParallel within the trial "
         "time-out (2 s): the script hangs before it (in its start-up or its process group's "
-        "rendezvous), or uses neither"
+        "rendezvous), or uses neither, or its start-up (loading data, say) takes longer than "
+        "that: give --autotune_trial_timeout more seconds than it"
     )
 
 

@@ -287,7 +287,9 @@ class TrialRunner:
             error = (
                 "no rank reached distune.prepare or distune.DistributedDataParallel within the "
                 f"trial time-out ({self.trial_timeout:g} s): the script hangs before it (in its "
-                "start-up or its process group's rendezvous), or uses neither"
+                "start-up or its process group's rendezvous), or uses neither, or its start-up "
+                "(loading data, say) takes longer than that: give --autotune_trial_timeout "
+                "more seconds than it"
             )
         peaks = [int(r["peak_memory_bytes"]) for r in reports if r.get("peak_memory_bytes")]
         return TrialRun(
