@@ -1,4 +1,4 @@
-"""The rule that picks the compute-bound testbed job: conditions, ladder end, nearest job."""
+"""The rules that pick the testbed job: conditions, ladder end, nearest job (context and samples)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,15 @@ import json
 from pathlib import Path
 
 import pytest
-from benchmarks.testbed.job_rule import Candidate, candidate, choose
+from benchmarks.testbed.job_rule import (
+    Candidate,
+    SamplesCandidate,
+    candidate,
+    choose,
+    choose_by_samples,
+    main,
+    samples_candidate,
+)
 
 MIB = 2**20
 
@@ -62,7 +70,7 @@ def test_candidate_reads_the_profile_and_prices_the_allreduce(tmp_path: Path) ->
     figures = candidate(tmp_path)
     # 2 (n - 1) / n G at 1 gbit/s of TCP payload at MTU 9000: 13.23 MB in 0.1066 s
     assert figures.link_seconds == pytest.approx(13_228_032 * 8 / 1e9 * 9014 / 8948)
-    assert figures.peak_quarter < figures.peak_half
+    assert figures.peak_start < figures.peak_double
     assert figures.ratio == pytest.approx(0.5 / figures.link_seconds)
 
 
@@ -71,3 +79,68 @@ def test_candidate_refuses_a_run_without_an_ok_profile(tmp_path: Path) -> None:
     (tmp_path / "trials.jsonl").write_text(json.dumps(row) + "\n")
     with pytest.raises(ValueError, match="not an ok profile trial"):
         candidate(tmp_path)
+
+
+def _samples(
+    name: str, step: float, reach: int = 4, gain: float = 1.2, span_mib: float = 10.0
+) -> SamplesCandidate:
+    return SamplesCandidate(_candidate(name, step, span_mib), 2, reach, ((4, gain), (8, gain)))
+
+
+def test_samples_rule_takes_the_first_candidate_meeting_all_five() -> None:
+    ladder = [
+        _samples("m16", 0.4),  # compute fails: ratio 4
+        _samples("m32", 0.8, reach=2),  # the cap stops sharding where it stops DDP
+        _samples("m64", 1.2, gain=1.10),  # a larger micro-batch does not pay
+        _samples("m128", 1.4),
+    ]
+    job, why = choose_by_samples(ladder)
+    assert job is ladder[3]
+    assert why == "the job: m128, cap 85 MiB"
+    assert [c.met for c in ladder] == [2, 1, 2, 3]
+
+
+def test_samples_rule_names_the_nearest_when_none_meets_it_and_time_ends_the_ladder() -> None:
+    ladder = [
+        _samples("m16", 0.4, gain=1.16),  # all but compute
+        _samples("m32", 0.8, gain=1.12),  # all but pays, a smaller gain: the tie goes to m16
+        _samples("m64", 1.6),  # time fails: the ladder ends
+    ]
+    job, why = choose_by_samples([*ladder, _samples("m128", 1.0)])  # never reached
+    assert job is ladder[0]
+    assert "NOT the rule's job" in why and "m16, 2 of 3, cap 85 MiB" in why
+    job, why = choose_by_samples([_samples("m16", 0.8, span_mib=6.0)])
+    assert job is None and why == "no job: no candidate meets memory and time"
+
+
+def _profile_at(root: Path, micro_batch: int, step: float, per_rank: int = 16) -> Path:
+    row = _profile_row(step)
+    config = row["facts"]["config"]  # type: ignore[index]
+    config.update(micro_batch=micro_batch, accumulation=per_rank // micro_batch)
+    directory = root / f"mb{micro_batch}"
+    directory.mkdir()
+    (directory / "trials.jsonl").write_text(json.dumps(row) + "\n")
+    return directory
+
+
+def test_samples_candidate_measures_the_gain_at_the_micro_batch_sharding_reaches(
+    tmp_path: Path,
+) -> None:
+    start, double = _profile_at(tmp_path, 2, 0.6), _profile_at(tmp_path, 4, 0.55)
+    quadruple = _profile_at(tmp_path, 8, 0.3)
+    figures = samples_candidate([start, double, quadruple])
+    # under the 78 MiB cap zero1 fits micro-batch 4 (it sheds half the optimizer state) but no
+    # stage fits 8, so the gain that counts is at 4 (0.6 / 0.55), not at 8 (0.6 / 0.3)
+    assert (figures.base.cap_mib, figures.reach) == (78, 4)
+    assert figures.gain == pytest.approx(0.6 / 0.55)
+    assert figures.shards and not figures.pays
+    assert samples_candidate([start, quadruple]).gain is None  # the reach was not profiled
+
+
+def test_samples_candidate_refuses_a_profile_of_another_batch(tmp_path: Path) -> None:
+    start = _profile_at(tmp_path, 2, 0.6)
+    other = _profile_at(tmp_path, 4, 0.5, per_rank=8)
+    with pytest.raises(ValueError, match="not DDP at 16 samples a rank"):
+        samples_candidate([start, other])
+    with pytest.raises(SystemExit):
+        main(["--samples", f"{start},{other}"])

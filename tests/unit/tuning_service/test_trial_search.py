@@ -360,6 +360,44 @@ def test_the_caps_effect_at_a_micro_batch_is_tested_once() -> None:
     assert any(d.startswith("zero3: skipped") for d in search.decisions)
 
 
+def test_a_stage_whose_room_ran_out_of_memory_is_held_to_the_same_test() -> None:
+    cap = 400 * MiB
+    search = new_search(cap, pins=TrialPins(checkpointing=False))
+    scripted(search, TrialConfig(8, 2, 1, False), 60.0, peak=300 * MiB)  # with room
+    # zero2 is predicted to fit 16, above zero1's 8: it may make room, and is tried there.
+    proposal = search._next_in_family(2, False, False)
+    assert proposal is not None and proposal.config == TrialConfig(16, 1, 2, False)
+    search.record(TrialResult(len(search.results), proposal.config, WORLD, OOM))
+    # It ran out of memory: what it still fits, 8, zero1 already ran with room, and at one
+    # micro-batch more sharding only adds work.
+    assert search._next_in_family(2, False, False) is None
+    skipped = "zero2: skipped, it fits micro-batch 8 at most and a cheaper strategy reached 8"
+    assert skipped in search.decisions
+
+
+def test_no_trial_relieves_a_near_full_trial_whose_step_down_with_room_was_not_faster() -> None:
+    cap = 400 * MiB  # zero2 fits 16 near the cap (365 MiB), zero3 fits 16 at most
+    cases = [
+        (300 * MiB, 69.0, False),  # the step down had room and was not faster: no relief
+        (350 * MiB, 69.0, True),  # the step down was near the cap too: it answers nothing
+        (300 * MiB, 80.0, True),  # the step down with room was faster: the cap may hurt
+    ]
+    for below_peak, below_value, relieved in cases:
+        search = new_search(cap, pins=TrialPins(checkpointing=False))
+        scripted(search, TrialConfig(16, 1, 2, False), 70.0, peak=365 * MiB, spread=0.02)
+        scripted(search, TrialConfig(8, 2, 2, False), below_value, peak=below_peak, spread=0.02)
+        proposal = search._next_in_family(3, False, False)
+        if relieved:
+            assert proposal is not None and proposal.config == TrialConfig(16, 1, 3, False)
+            continue
+        assert proposal is None
+        said = (
+            "zero3: no trial at micro-batch 16, zero2, micro-batch 16 x 1 ran near the cap but "
+            "zero2, micro-batch 8 x 2, with room, was not faster"
+        )
+        assert said in search.decisions
+
+
 def test_re_measuring_stops_after_the_best_two_when_a_drift_reorders_them() -> None:
     search = new_search(None, pins=TrialPins(stage=0, checkpointing=False), max_trials=10)
     for micro, value in ((16, 100.0), (8, 90.0), (4, 80.0)):
@@ -394,6 +432,45 @@ def test_the_best_two_are_compared_within_pairs_under_drift() -> None:
     assert search.best() == TrialConfig(16, 1, 0, False)
 
 
+def test_the_next_is_not_measured_again_where_the_best_leads_by_more_than_the_noise() -> None:
+    for again, more in ((98.0, False), (85.0, True)):
+        search = new_search(None, pins=TrialPins(stage=0, checkpointing=False), max_trials=10)
+        for micro, value in ((16, 100.0), (8, 90.0), (4, 80.0)):
+            scripted(search, TrialConfig(micro, 16 // micro, 0, False), value, spread=0.01)
+        proposal = search.next_trial()
+        assert proposal is not None and proposal.purpose == "remeasure"
+        assert proposal.config == TrialConfig(16, 1, 0, False)  # the best first
+        scripted(search, proposal.config, again, spread=0.01, purpose="remeasure")
+        proposal = search.next_trial()
+        if more:
+            # Two runs of 16 x 1 landed 16 % apart: its mean 92.5 leads 8 x 2's one run of 90
+            # by less than that, so 8 x 2 is measured again and the two compared within pairs.
+            assert proposal is not None and proposal.config == TrialConfig(8, 2, 0, False)
+            assert search.run_noise() == pytest.approx(15 / 92.5)
+            continue
+        # Two runs 2 % apart: a mean of 99 leads 90 by 10 %, five times the noise (more than
+        # the 2.67 times a tie allows); the second re-measure could not change the choice.
+        assert proposal is None
+        assert search.run_noise() == pytest.approx(2 / 99)
+        assert search.best() == TrialConfig(16, 1, 0, False)
+        said = "ddp, micro-batch 16 x 1: chosen, measured twice (100, 98) and ahead of ddp, "
+        assert search.decisions[-1].startswith(said)
+
+
+def test_the_noise_between_two_runs_counts_where_it_exceeds_the_trials_spread() -> None:
+    search = new_search(None, pins=TrialPins(stage=0, checkpointing=False), max_trials=10)
+    assert search.run_noise() is None
+    scripted(search, TrialConfig(16, 1, 0, False), 100.0, spread=0.03)
+    scripted(search, TrialConfig(8, 2, 0, False), 94.0, spread=0.03)
+    # One run each: only the trials' own spread says what a difference is worth.
+    assert search.noise(search.results) == pytest.approx(0.03)
+    assert search.clearly_better(search.results[0], search.results[1])
+    scripted(search, TrialConfig(16, 1, 0, False), 90.0, spread=0.03, purpose="remeasure")
+    # 16 x 1's two runs landed 10.5 % apart, three times its steps' spread: 6 % says nothing.
+    assert search.noise(search.results) == pytest.approx(10 / 95)
+    assert not search.clearly_better(search.results[0], search.results[1])
+
+
 def test_pins_are_never_changed_and_the_global_batch_is_fixed() -> None:
     pins = TrialPins(stage=1, checkpointing=True)
     search = new_search(None, pins=pins)
@@ -406,7 +483,14 @@ def test_pins_are_never_changed_and_the_global_batch_is_fixed() -> None:
 def test_the_best_two_are_measured_again_within_the_budget() -> None:
     cap = 420 * MiB  # DDP fits micro-batch 1 only: the sharded stages are worth trying
     search = new_search(cap, max_trials=4)  # fewer than the search would run
-    ran = run_search(search, cap)
+    runs: dict[TrialConfig, int] = {}
+
+    def drifting(config: TrialConfig) -> float:
+        # Each run of a configuration a quarter below the one before: two runs far apart.
+        runs[config] = runs.get(config, 0) + 1
+        return speed(config) * 0.75 ** (runs[config] - 1)
+
+    ran = run_search(search, cap, drifting)
     assert len(ran) == 4
     remeasured = [r.config for r in ran if r.purpose == "remeasure"]
     assert len(remeasured) == 2

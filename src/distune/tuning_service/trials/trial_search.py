@@ -28,10 +28,13 @@ full-precision twin until a trial of its own has measured it. The rules:
   predicted to fit a larger micro-batch than the cheaper ways already reached (a lower stage,
   or the same stage without checkpointing): recomputation and sharding's extra communication
   cost time, and pay only by making room (DeepSpeed's autotuner stops climbing stages for the
-  same reason). The exception is the micro-batch where every cheaper family that ran it ran
-  near the cap: there the room a more sharded family frees may be what makes it faster, so the
-  next such family gets one trial at that micro-batch (once per micro-batch and precision), and
-  goes on only if it was faster.
+  same reason). So is a family whose larger micro-batches ran out of memory: what it still fits
+  must be larger than what the cheaper ways reached. The exception is the micro-batch where
+  every cheaper family that ran it ran near the cap: there the room a more sharded family frees
+  may be what makes it faster, so the next such family gets one trial at that micro-batch (once
+  per micro-batch and precision), and goes on only if it was faster; unless the near-full
+  trial's own step down ran with room and was not clearly faster, which shows the cap did not
+  slow it (a step down near the cap too shows nothing: the cap may have slowed both).
 * A family whose trial crashed, hung or was invalid is given up.
 * **Nothing is run that cannot beat the best measured.** Before a search trial runs, its
   throughput is bounded from above by what was measured, on two premises the rules above
@@ -53,6 +56,13 @@ full-precision twin until a trial of its own has measured it. The rules:
   what the load did between rounds, and the back-to-back pair ran under one load; a
   configuration measured once cannot win on a value the load may have lifted (see
   :func:`chosen`). Where a re-measure did not run ok, the best mean wins.
+* **No re-measure that cannot change the choice.** The best is measured again first; its two
+  runs are then what the search knows of the noise between two runs of one configuration (on
+  the shared machine of BENCHMARKS.md 2-4 times one trial's own spread, and it is the noise
+  that matters to a choice between two trials). Where its mean leads the next configuration's
+  one run by more than that noise allows a tie (:data:`LEAD_OVER_NOISE` times the pair's range,
+  or the trials' own spread where larger: one pair is a poor estimate, so the test is Student's
+  with one degree of freedom), the next is not measured again and the best's mean chooses.
 """
 
 from __future__ import annotations
@@ -74,6 +84,12 @@ NEAR_FULL = 0.85
 REMEASURED = 2
 #: The purpose of a trial that measures a configuration again before choosing.
 REMEASURE = "remeasure"
+#: How many times the noise the best configuration, measured twice, must lead the next one,
+#: measured once, by for the next not to be measured again: one pair of runs is all a run
+#: knows of its noise, so the lead is tested one-sided at 90 % against Student's t with one
+#: degree of freedom (3.078), on the difference of a mean of two runs and one run (its
+#: deviation sqrt(3/2) of one run's, whose deviation the pair's range over sqrt(2) estimates).
+LEAD_OVER_NOISE = 3.078 * math.sqrt(3 / 4)
 #: A family of configurations: (ZeRO stage, activation checkpointing, bf16).
 Family = tuple[int, bool, bool]
 #: Stages that communicate once an optimizer step whatever the accumulation (distune's DDP
@@ -99,6 +115,15 @@ def remeasured_pair(results: Iterable[TrialResult], metric: str) -> list[TrialCo
     measurements (re-measures left out, so the pair never changes as they come in)."""
     first = [r for r in results if r.purpose != REMEASURE]
     return [config for config, _ in ranking(first, metric)[:REMEASURED]]
+
+
+def twice_measured(results: Iterable[TrialResult]) -> set[TrialConfig]:
+    """The configurations with two ok measurements or more."""
+    counts: dict[TrialConfig, int] = {}
+    for result in results:
+        if result.outcome == OK:
+            counts[result.config] = counts.get(result.config, 0) + 1
+    return {config for config, count in counts.items() if count > 1}
 
 
 def settled_pair(results: Iterable[TrialResult], metric: str) -> list[TrialConfig]:
@@ -138,14 +163,6 @@ def chosen(results: Iterable[TrialResult], metric: str) -> TrialConfig | None:
 
         return max(pair, key=level)
     return ranked[0][0]
-
-
-def clearly_better(result: TrialResult, other: TrialResult, metric: str) -> bool:
-    """Whether ``result`` beats ``other`` by more than either trial's own spread (the
-    interquartile range of its steps over their median; a trial without one counts as 0)."""
-    noise = max(result.throughput_spread or 0.0, other.throughput_spread or 0.0)
-    value, base = result.value(metric), other.value(metric)
-    return value - base > noise * abs(base)
 
 
 @dataclass(frozen=True)
@@ -293,14 +310,69 @@ class TrialSearch:
                     if proposal is not None and self._may_win(family, proposal.config):
                         return proposal
             self._remeasuring = True
-        # Each of the best two by first measurements once more, back to back, and no more: a
+        # Each of the best two by first measurements once more, the best first, and no more: a
         # configuration whose first measurement ranks it first after the others' second ones
-        # fell (a machine's load drifts between trials) is not chased further.
+        # fell (a machine's load drifts between trials) is not chased further. The next is not
+        # measured again where the best, measured twice, leads it by more than the noise.
         again = {r.config for r in self.results if r.purpose == REMEASURE}
         for config in remeasured_pair(self.results, self.metric):
-            if config not in again:
-                return Proposal(config, REMEASURE, self.predicted(config))
+            if config in again:
+                continue
+            if self._clear_lead():
+                return None
+            return Proposal(config, REMEASURE, self.predicted(config))
         return None
+
+    def _clear_lead(self) -> bool:
+        """Whether the best of the re-measured pair, measured twice, beats the other, measured
+        once, by more than the noise (:meth:`noise`, with the noise between two runs that its
+        two runs showed): a re-measure of the other would have to lift it further than two
+        runs of one configuration moved apart, so it is not run and the best's mean chooses."""
+        pair = remeasured_pair(self.results, self.metric)
+        if len(pair) < 2:
+            return False
+        leader, runner = pair
+        twice = twice_measured(self.results)
+        if leader not in twice or runner in twice:
+            return False
+        value = statistics.fmean(self.scores(leader))
+        other = statistics.fmean(self.scores(runner))
+        noise = self.noise(r for r in self.results if r.config in pair and r.outcome == OK)
+        if value - other <= LEAD_OVER_NOISE * noise * abs(other):
+            return False
+        values = ", ".join(f"{abs(v):.4g}" for v in self.scores(leader))
+        decision = (
+            f"{leader.describe()}: chosen, measured twice ({values}) and ahead of "
+            f"{runner.describe()} ({abs(other):.4g}) by more than {LEAD_OVER_NOISE:.3g} x the "
+            f"noise ({noise:.1%}: the distance between two runs of one configuration, or the "
+            "trials' own spread where larger); not measured again"
+        )
+        if decision not in self.decisions:
+            self.decisions.append(decision)
+        return True
+
+    def clearly_better(self, result: TrialResult, other: TrialResult) -> bool:
+        """Whether ``result`` beats ``other`` by more than the noise (:meth:`noise`) of the
+        two."""
+        value, base = result.value(self.metric), other.value(self.metric)
+        return value - base > self.noise([result, other]) * abs(base)
+
+    def noise(self, results: Iterable[TrialResult]) -> float:
+        """How far apart two measurements must be to say which is faster, as a share: the
+        largest of the noise between two runs (:meth:`run_noise`, 0 until known) and the
+        spreads of ``results``' own steps (a trial without one counts as 0)."""
+        spreads = [r.throughput_spread or 0.0 for r in results]
+        return max([self.run_noise() or 0.0, *spreads])
+
+    def run_noise(self) -> float | None:
+        """How far two runs of one configuration land apart, as a share of their mean: the
+        largest relative range of the measurements of a configuration measured ok twice or
+        more (None: none was)."""
+        ranges = []
+        for config in twice_measured(self.results):
+            values = self.scores(config)
+            ranges.append((max(values) - min(values)) / abs(statistics.fmean(values)))
+        return max(ranges, default=None)
 
     def _may_win(self, family: Family, config: TrialConfig) -> bool:
         """Whether ``config`` may beat the best configuration measured so far: unless that
@@ -312,8 +384,7 @@ class TrialSearch:
         if bound is None or math.isinf(bound.value) or not ranked:
             return True
         best, value = ranked[0]
-        spreads = [r.throughput_spread or 0.0 for r in self.results if r.config == best]
-        noise = max([bound.noise, *spreads])
+        noise = max(bound.noise, self.noise(r for r in self.results if r.config == best))
         if value - bound.value <= noise * bound.value:
             return True
         if self._relieving.pop(family, None) is not None:
@@ -408,16 +479,17 @@ class TrialSearch:
             if (oom_at is None or m < oom_at)
             and self.fits(self.space.config(stage, checkpointing, m, bf16))
         ]
+        if family in self._relieving and not self._relieved(family, tried):
+            return None
+        ok = [m for m, r in tried.items() if r.outcome == OK]
         reached = self._reached_by_cheaper(family)
-        if fitting and not tried and max(fitting) <= reached:
+        # Also once its larger micro-batches ran out of memory: what still fits must make room.
+        if fitting and not ok and max(fitting) <= reached:
             pressed = self._pressed_at(family, reached) if max(fitting) == reached else None
             if pressed is None:
                 self._skip(family, max(fitting), reached)
                 return None
             return self._relieve(family, pressed)
-        if family in self._relieving and not self._relieved(family, tried):
-            return None
-        ok = [m for m, r in tried.items() if r.outcome == OK]
         above = [m for m in fitting if m > max(ok, default=0) and m not in tried]
         if above:
             return self._propose(family, max(above))
@@ -453,7 +525,11 @@ class TrialSearch:
     def _pressed_at(self, family: Family, micro_batch: int) -> TrialResult | None:
         """The fastest cheaper trial at ``micro_batch`` if every cheaper family that ran it ran
         near the cap (None otherwise): there the cap may have slowed them, which the memory
-        ``family`` frees could undo, as stepping down the micro-batch could."""
+        ``family`` frees could undo, as stepping down the micro-batch could. Not where that
+        trial's step down already answered it: it ran with room (not near the cap) and was not
+        clearly faster, so the cap did not slow the fuller one by more than a larger
+        micro-batch saves. A step down near the cap too answers nothing: the cap may have slowed
+        both."""
         at = [
             r
             for key in self._cheaper(family)
@@ -463,7 +539,26 @@ class TrialSearch:
         tested = (micro_batch, family[2]) in self._relief_tested
         if tested or not at or not all(self._near_full(r) for r in at):
             return None
-        return max(at, key=lambda r: r.value(self.metric))
+        pressed = max(at, key=lambda r: r.value(self.metric))
+        below = self._next_smaller(pressed)
+        if below is None or self._near_full(below) or self.clearly_better(below, pressed):
+            return pressed
+        decision = (
+            f"{self._name(family)}: no trial at micro-batch {micro_batch}, "
+            f"{pressed.config.describe()} ran near the cap but {below.config.describe()}, "
+            "with room, was not faster"
+        )
+        if decision not in self.decisions:
+            self.decisions.append(decision)
+        return None
+
+    def _next_smaller(self, result: TrialResult) -> TrialResult | None:
+        """The ok trial of ``result``'s family at the next smaller micro-batch it ran (None:
+        none)."""
+        config = result.config
+        tried = self._tried((config.stage, config.checkpointing, config.bf16))
+        below = [m for m, r in tried.items() if m < config.micro_batch and r.outcome == OK]
+        return tried[max(below)] if below else None
 
     def _relieve(self, family: Family, pressed: TrialResult) -> Proposal:
         """One trial of ``family`` at the micro-batch where the cheaper ones ran near full."""
@@ -506,7 +601,7 @@ class TrialSearch:
             if len(chain) == 1:
                 if not self._near_full(current) and self.metric != LATENCY:
                     return None
-            elif not clearly_better(current, tried[chain[-2]], self.metric):
+            elif not self.clearly_better(current, tried[chain[-2]]):
                 return None
             lower = [m for m in fitting if m < chain[-1]]
             if not lower:
@@ -531,15 +626,13 @@ class TrialSearch:
         fullness = self._fullness(current)
         for result in self.results:
             config = result.config
-            family = (config.stage, config.checkpointing, config.bf16)
             if result.outcome != OK or result is current or self._fullness(result) < fullness:
                 continue
-            tried = self._tried(family)
-            below = [m for m, r in tried.items() if m < config.micro_batch and r.outcome == OK]
-            if below and not clearly_better(tried[max(below)], result, self.metric):
+            below = self._next_smaller(result)
+            if below is not None and not self.clearly_better(below, result):
                 decision = (
                     f"{current.config.describe()}: not stepped down, "
-                    f"{tried[max(below)].config.describe()} was not faster than the fuller "
+                    f"{below.config.describe()} was not faster than the fuller "
                     f"{config.describe()}"
                 )
                 if decision not in self.decisions:
