@@ -6,8 +6,11 @@ measurement is set to end after more steps than these run."""
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,3 +132,21 @@ def test_prepare_takes_a_numpy_style_integer():
     finally:
         dist.destroy_process_group()
     assert run.micro_batch_size == 3 and type(run.micro_batch_size) is int
+
+
+def test_a_step_a_gradient_scaler_skips_is_an_iteration_not_a_wrong_accumulation(trial_run):
+    # AMP's recipe: an overflow makes scaler.step skip the optimizer's step (fp16 on a GPU
+    # does in its first steps; here a scale that overflows float32).
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**120)
+    for _ in range(3):
+        for i in range(trial_run.gradient_accumulation_steps):
+            with trial_run.accumulate(i):
+                loss = trial_run.model(torch.randn(trial_run.micro_batch_size, 16)).pow(2).sum()
+                scaler.scale(loss * 1e10).backward()
+        scaler.step(trial_run.optimizer)
+        scaler.update()
+        trial_run.optimizer.zero_grad()
+    assert scaler.get_scale() == 2.0**117  # all three were skipped
+    step(trial_run, 4, through_accumulate=True)  # then one the optimizer takes
+    # Each skipped iteration was a step of its own, ended as the next began.
+    assert json.loads((Path(os.environ[TRIAL_DIR]) / "progress").read_text()) == {"steps": 4}
