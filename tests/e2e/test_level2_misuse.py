@@ -61,8 +61,26 @@ def test_a_script_that_never_reaches_distune_times_out_saying_so(tmp_path):
     assert run.error == (
         "no rank reached distune.prepare or distune.DistributedDataParallel within the trial "
         "time-out (2 s): the script hangs before it (in its start-up or its process group's "
-        "rendezvous), or uses neither"
+        "rendezvous), or uses neither, or its start-up (loading data, say) takes longer than "
+        "that: give --autotune_trial_timeout more seconds than it"
     )
+
+
+def test_a_script_that_changes_its_directory_is_measured_under_a_relative_results_dir(
+    tmp_path, monkeypatch
+):
+    # As Hydra's job.chdir does: the script runs in a directory of its own.
+    elsewhere = tmp_path / "outputs"
+    elsewhere.mkdir()
+    script = tmp_path / "moves.py"
+    script.write_text(f"import os, runpy\nos.chdir({str(elsewhere)!r})\n")
+    script.write_text(script.read_text() + f"runpy.run_path({WORKER!r}, run_name='__main__')\n")
+    monkeypatch.chdir(tmp_path)
+    args, _ = parse(["--nproc_per_node", "1", str(script)])
+    runner = TrialRunner(args, TRIAL_TIMEOUT, Path("results") / "trials")
+    run = runner.run(0, TrialSettings(micro_batch=2, accumulation=1), [], free_port())
+    assert run.outcome == OK, run.error
+    assert (tmp_path / "results" / "trials" / "trial-000" / "result.json").exists()
 
 
 # Calls distune.prepare, then builds its batches from its own --batch-size.

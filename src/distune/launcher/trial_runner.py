@@ -203,7 +203,9 @@ class TrialRunner:
     def __init__(self, args: argparse.Namespace, trial_timeout: float, root: Path) -> None:
         self.args = args
         self.trial_timeout = trial_timeout
-        self.root = root
+        # Absolute: the ranks write into their trial's directory after the script may have
+        # changed its working directory (Hydra's job.chdir, an os.chdir to its output dir).
+        self.root = root.absolute()
 
     def _spec(self, script_args: list[str], master_port: int, trial_dir: Path) -> dict[str, Any]:
         # torchrun's own arguments only (distune's flags are the launcher's business).
@@ -287,7 +289,9 @@ class TrialRunner:
             error = (
                 "no rank reached distune.prepare or distune.DistributedDataParallel within the "
                 f"trial time-out ({self.trial_timeout:g} s): the script hangs before it (in its "
-                "start-up or its process group's rendezvous), or uses neither"
+                "start-up or its process group's rendezvous), or uses neither, or its start-up "
+                "(loading data, say) takes longer than that: give --autotune_trial_timeout "
+                "more seconds than it"
             )
         peaks = [int(r["peak_memory_bytes"]) for r in reports if r.get("peak_memory_bytes")]
         return TrialRun(

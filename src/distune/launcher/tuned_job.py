@@ -99,6 +99,12 @@ class TunedJob:
             return False
         except (OSError, ValueError) as error:
             raise OtherJobError(f"{directory / JOB_FILE} cannot be read: {error}") from None
+        if not isinstance(recorded, dict):
+            raise OtherJobError(
+                f"{directory / JOB_FILE} holds no job record (a JSON object), but "
+                f"{type(recorded).__name__} {json.dumps(recorded)[:60]}: was it edited? Start "
+                "afresh with a new --autotune_results_dir"
+            )
         differences = self.differences(recorded, "there")
         if differences:
             raise OtherJobError(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -95,6 +96,44 @@ def _optimizer_state_bytes(optimizer: torch.optim.Optimizer, gradient_bytes: int
     return round(gradient_bytes * state_bytes / param_bytes) if param_bytes else 0
 
 
+def _whole_numbers(micro_batch_size: Any, gradient_accumulation_steps: Any) -> tuple[int, int]:
+    """The batch settings as ints; refuse what would fail later, far from the call, or run
+    with a batch of 8.0 or True: a flag parsed without ``type=int``, an HF-style ``None``."""
+    checked = []
+    for name, value in (
+        ("micro_batch_size", micro_batch_size),
+        ("gradient_accumulation_steps", gradient_accumulation_steps),
+    ):
+        try:
+            number = None if isinstance(value, bool) else operator.index(value)
+        except TypeError:
+            number = None
+        if number is None:
+            raise TypeError(
+                f"distune.prepare: {name} must be a whole number (int) of at least 1, got "
+                f"{value!r} ({type(value).__name__}); a value from a command-line flag needs "
+                "type=int"
+            )
+        if number < 1:
+            raise ValueError(f"distune.prepare: {name} must be at least 1, got {number}")
+        checked.append(number)
+    return checked[0], checked[1]
+
+
+def _block_classes(blocks: Any, model: nn.Module) -> tuple[type[nn.Module], ...]:
+    """``blocks`` as a tuple of module classes (default: the model's repeated blocks)."""
+    if blocks is None:
+        return repeated_blocks(model)
+    if isinstance(blocks, type) or not all(
+        isinstance(b, type) and issubclass(b, nn.Module) for b in blocks
+    ):
+        raise TypeError(
+            "distune.prepare: blocks must be a sequence of module classes, like "
+            f"blocks=(MyBlock,), got {blocks!r}"
+        )
+    return tuple(blocks)
+
+
 def prepare(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -121,11 +160,10 @@ def prepare(
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("distune.prepare needs torch.distributed to be initialized first")
-    if micro_batch_size < 1 or gradient_accumulation_steps < 1:
-        raise ValueError(
-            "micro_batch_size and gradient_accumulation_steps must be at least 1, got "
-            f"{micro_batch_size} and {gradient_accumulation_steps}"
-        )
+    micro_batch_size, gradient_accumulation_steps = _whole_numbers(
+        micro_batch_size, gradient_accumulation_steps
+    )
+    block_classes = _block_classes(blocks, model)
     settings = TrialSettings.from_env()
     rank = dist.get_rank()
     device = next(model.parameters()).device
@@ -151,7 +189,6 @@ def prepare(
     stage = settings.stage if settings.stage is not None else 0
     checkpointing = bool(settings.checkpointing)
     bf16 = bool(settings.bf16)
-    block_classes = tuple(blocks) if blocks is not None else repeated_blocks(model)
     parameter_bytes, gradient_bytes, largest_block = _facts(model, block_classes)
 
     with preparing():  # the DDP made here is measured by prepare, not by itself

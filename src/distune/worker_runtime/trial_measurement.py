@@ -277,6 +277,10 @@ class TrialMeasurement:
 
     def micro_step(self, index: int) -> None:
         """Called by ``run.accumulate(index)``: the step's micro-steps are checked at its end."""
+        if index == 0 and self._micro_steps == list(range(self.accumulation)):
+            # A whole step's micro-steps ran and no optimizer step followed: a gradient scaler
+            # skipped it (an fp16 overflow, as in AMP's first steps). The iteration is over.
+            self._end_step()
         self._micro_steps.append(index)
 
     def _check_step(self) -> None:
@@ -322,6 +326,10 @@ class TrialMeasurement:
     def _after_step(self, *_: Any) -> None:
         self._end_if_out_of_memory()
         self._check_step()
+        self._end_step()
+
+    def _end_step(self) -> None:
+        """An iteration ended: time it, and end the trial after its last measured step."""
         self._forwards = 0
         self._micro_steps.clear()
         now = time.perf_counter()

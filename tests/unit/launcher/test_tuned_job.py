@@ -83,6 +83,15 @@ def test_a_results_directory_from_before_job_json_cannot_be_checked(tmp_path):
     assert resume(results, ["other.py"]) is False
 
 
+@pytest.mark.parametrize("text", ["[]", "null", '"job"', "3"])
+def test_a_job_file_that_is_no_object_is_refused_naming_it(tmp_path, text):
+    results = earlier_run(tmp_path, ["train.py"])
+    (results / JOB_FILE).write_text(text)
+    with pytest.raises(OtherJobError, match=r"job\.json holds no job record") as error:
+        resume(results, ["train.py"])
+    assert f"{text}: was it edited?" in str(error.value)
+
+
 @pytest.mark.parametrize(
     ("line", "why"),
     [

@@ -6,8 +6,11 @@ measurement is set to end after more steps than these run."""
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -79,3 +82,71 @@ def test_the_trials_micro_steps_of_two_forwards_each_pass(trial_run, through_acc
         trial_run.model.eval()
         trial_run.model(torch.randn(3, 16))
         trial_run.model.train()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "says"),
+    [
+        (
+            {"micro_batch_size": "8"},
+            TypeError,
+            "micro_batch_size must be a whole number (int) of "
+            "at least 1, got '8' (str); a value from a command-line flag needs type=int",
+        ),
+        ({"micro_batch_size": 8.0}, TypeError, "got 8.0 (float)"),
+        ({"micro_batch_size": True}, TypeError, "got True (bool)"),
+        (
+            {"micro_batch_size": 8, "gradient_accumulation_steps": None},
+            TypeError,
+            "gradient_accumulation_steps must be a whole number (int) of at least 1, got None",
+        ),
+        ({"micro_batch_size": 0}, ValueError, "micro_batch_size must be at least 1, got 0"),
+        (
+            {"micro_batch_size": 8, "blocks": nn.Linear},
+            TypeError,
+            "blocks must be a sequence of module classes, like blocks=(MyBlock,)",
+        ),
+    ],
+)
+def test_prepare_names_a_batch_setting_or_blocks_of_the_wrong_kind(arguments, error, says):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.Linear(4, 4)
+        with pytest.raises(error) as raised:
+            distune.prepare(model, torch.optim.SGD(model.parameters()), **arguments)
+    finally:
+        dist.destroy_process_group()
+    assert str(raised.value).startswith("distune.prepare: ")
+    assert says in str(raised.value)
+
+
+def test_prepare_takes_a_numpy_style_integer():
+    class Index:  # numpy's integers are not int, but have __index__
+        def __index__(self) -> int:
+            return 3
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.Linear(4, 4)
+        run = distune.prepare(model, torch.optim.SGD(model.parameters()), micro_batch_size=Index())
+    finally:
+        dist.destroy_process_group()
+    assert run.micro_batch_size == 3 and type(run.micro_batch_size) is int
+
+
+def test_a_step_a_gradient_scaler_skips_is_an_iteration_not_a_wrong_accumulation(trial_run):
+    # AMP's recipe: an overflow makes scaler.step skip the optimizer's step (fp16 on a GPU
+    # does in its first steps; here a scale that overflows float32).
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**120)
+    for _ in range(3):
+        for i in range(trial_run.gradient_accumulation_steps):
+            with trial_run.accumulate(i):
+                loss = trial_run.model(torch.randn(trial_run.micro_batch_size, 16)).pow(2).sum()
+                scaler.scale(loss * 1e10).backward()
+        scaler.step(trial_run.optimizer)
+        scaler.update()
+        trial_run.optimizer.zero_grad()
+    assert scaler.get_scale() == 2.0**117  # all three were skipped
+    step(trial_run, 4, through_accumulate=True)  # then one the optimizer takes
+    # Each skipped iteration was a step of its own, ended as the next began.
+    assert json.loads((Path(os.environ[TRIAL_DIR]) / "progress").read_text()) == {"steps": 4}
