@@ -74,6 +74,14 @@ _TAKING_PART = (
 )
 
 
+#: Said where the profile found no repeated blocks (two or more modules of one class in a
+#: ModuleList or Sequential), which ZeRO-3 and activation checkpointing wrap.
+NO_BLOCKS = (
+    "the model has no repeated blocks (two or more modules of one class in a ModuleList or "
+    "Sequential): ZeRO-3 and activation checkpointing are not tried; pass blocks=(YourBlock,) "
+    "to distune.prepare to try them"
+)
+
 #: Seconds node 0 waits for the other nodes' reports beyond the trial time-out (their own
 #: watchdogs fire within the time-out, and stopping takes a few seconds more).
 LATE_REPORT_GRACE = 15.0
@@ -123,6 +131,26 @@ def space_pins(pins: TrialPins, profile: TrialConfig, api: str | None) -> TrialP
         bf16=False,
         micro_batch=pins.micro_batch if MICRO_BATCH in mapped else profile.micro_batch,
         accumulation=pins.accumulation if ACCUMULATION in mapped else profile.accumulation,
+    )
+
+
+def trial_space(
+    pins: TrialPins,
+    world_size: int,
+    profile: TrialConfig,
+    facts: dict[str, Any],
+    allow_batch_change: bool,
+) -> TrialSpace:
+    """The configurations the search may try after the profile trial measured ``facts``: the
+    pins as :func:`space_pins` leaves them, and no ZeRO-3 or checkpointing for a model the
+    profile found no repeated blocks in (a ``trials.jsonl`` from before that fact assumes
+    blocks)."""
+    return TrialSpace(
+        space_pins(pins, profile, facts.get("api")),
+        world_size,
+        profile,
+        allow_batch_change,
+        repeated_blocks=facts.get("repeated_block_classes", 1) > 0,
     )
 
 
@@ -594,14 +622,17 @@ class Level2:
             return None
         assert profile.facts is not None
         try:
-            space = TrialSpace(
-                space_pins(self.pins, profile.config, profile.facts.get("api")),
+            space = trial_space(
+                self.pins,
                 self.world_size,
                 profile.config,
+                profile.facts,
                 self.options.autotune_allow_batch_change,
             )
         except TrialConfigError as error:
             raise OptionError(f"--autotune_level 2: {error}") from None
+        if not space.repeated_blocks:
+            self._say(NO_BLOCKS)
         if profile.facts.get("api") == WRAPPER_API:
             self._say(
                 "the script is measured through distune.DistributedDataParallel (it never calls "

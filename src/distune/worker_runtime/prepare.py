@@ -220,6 +220,7 @@ def prepare(
             "parameter_bytes": parameter_bytes,
             "gradient_bytes": gradient_bytes,
             "largest_block_bytes": largest_block,
+            "repeated_block_classes": len(block_classes),
             "optimizer_state_bytes": _optimizer_state_bytes(applied.optimizer, gradient_bytes),
         }
 

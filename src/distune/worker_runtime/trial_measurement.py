@@ -52,9 +52,14 @@ PREPARE = "prepare"
 WRAPPER = "wrapper"
 #: True while ``distune.prepare`` builds its wrappers: they are measured by prepare.
 _PREPARING: ContextVar[bool] = ContextVar("distune_preparing", default=False)
-#: A model's sizes a trial reports; a process's models add up (``largest_block_bytes``: the
-#: largest of them).
+#: A model's sizes a trial reports; a process's models add up, but for the facts picked
+#: (``largest_block_bytes``: the largest; ``repeated_block_classes``: the fewest, since ZeRO-3
+#: and checkpointing need blocks in every model).
 _SUMMED_FACTS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes")
+_PICKED_FACTS: dict[str, Callable[[int, int], int]] = {
+    "largest_block_bytes": max,
+    "repeated_block_classes": min,
+}
 
 
 class TrialStepError(DistuneError, RuntimeError):
@@ -204,9 +209,9 @@ class TrialMeasurement:
             facts = more()
             for key in _SUMMED_FACTS:
                 described[key] += facts[key]
-            described["largest_block_bytes"] = max(
-                described["largest_block_bytes"], facts["largest_block_bytes"]
-            )
+            for key, pick in _PICKED_FACTS.items():
+                if key in facts:  # a wrapped model has no block classes
+                    described[key] = pick(described[key], facts[key])
         return described
 
     def attach(

@@ -385,6 +385,24 @@ def test_a_script_measured_through_its_wrapper_keeps_ddp_and_its_unmapped_knobs(
         space_pins(TrialPins(stage=2, arg_mappings=mapped.arg_mappings), own, "wrapper")
 
 
+def test_a_model_without_repeated_blocks_is_not_tried_with_zero3_or_checkpointing() -> None:
+    from distune.launcher.level2 import trial_space
+    from distune.tuning_service.trials.trial_config import TrialConfig
+
+    own = TrialConfig(2, 4, 0, False)
+    flat = {"api": "prepare", "repeated_block_classes": 0}
+    space = trial_space(TrialPins(), 2, own, flat, False)
+    assert (space.stages(), space.checkpointing()) == ((0, 1, 2), (False,))
+    assert not space.contains(TrialConfig(2, 4, 3, False))
+    blocks = trial_space(TrialPins(), 2, own, {**flat, "repeated_block_classes": 1}, False)
+    assert (blocks.stages(), blocks.checkpointing()) == ((0, 1, 2, 3), (False, True))
+    # A profile recorded before the fact (a resumed trials.jsonl) keeps every strategy.
+    assert trial_space(TrialPins(), 2, own, {"api": "prepare"}, False).stages() == (0, 1, 2, 3)
+    # What the user pins stays pinned (a pinned ZeRO-3 without blocks crashes naming them).
+    pinned = trial_space(TrialPins(stage=3, checkpointing=True), 2, own, flat, False)
+    assert (pinned.stages(), pinned.checkpointing()) == ((3,), (True,))
+
+
 def test_a_best_config_in_bf16_reaches_the_ranks_and_auto_profiles_in_full_precision(
     tmp_path: Path,
 ) -> None:

@@ -33,6 +33,9 @@ class TrialSpace:
     world_size: int
     baseline: TrialConfig
     allow_batch_change: bool = False
+    #: False where the profile found no repeated blocks in the model: ZeRO-3 and activation
+    #: checkpointing wrap those blocks, so a trial of either could only crash.
+    repeated_blocks: bool = True
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -78,12 +81,16 @@ class TrialSpace:
 
     def stages(self) -> tuple[int, ...]:
         """ZeRO stages to try, cheapest communication first."""
-        return (self.pins.stage,) if self.pins.stage is not None else tuple(STRATEGY_NAMES)
+        if self.pins.stage is not None:
+            return (self.pins.stage,)
+        return tuple(s for s in STRATEGY_NAMES if self.repeated_blocks or s != 3)
 
     def checkpointing(self) -> tuple[bool, ...]:
         """Activation checkpointing settings to try, off (no recomputation) first."""
         pinned = self.pins.checkpointing
-        return (pinned,) if pinned is not None else (False, True)
+        if pinned is not None:
+            return (pinned,)
+        return (False, True) if self.repeated_blocks else (False,)
 
     def precisions(self) -> tuple[bool, ...]:
         """bf16 mixed precision off and on where the config allows it (``auto``), off first
