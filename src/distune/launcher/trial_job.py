@@ -10,7 +10,8 @@ When a rank fails, the first failure (its rank, local rank and exit code) is wri
 ``failure.json`` beside SPEC, so the launcher finds that rank's own output without reading the
 log; with it the ranks of this node that had already exited with status 0 (``ended``), which
 torch's agent leaves out of its failures: a script that ended early on one rank makes its
-peers fail in their next collective, and that rank is the cause.
+peers fail in their next collective, and that rank is the cause. Only where the agent records
+the ranks it stops (:func:`records_stopped_ranks`) can the two be told apart.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sys
 from pathlib import Path
 
 import torch.distributed.run as torchrun
+from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from distune.launcher.options import local_world_size
@@ -43,6 +45,23 @@ def end_with_launcher(launcher: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def records_stopped_ranks() -> bool:
+    """Whether torch's agent counts the ranks it stops after a failure among the failures
+    (newer torch polls them again once stopped: pytorch PR 160908). Older agents leave them
+    out, like the ranks that exited with status 0, so the two cannot be told apart there."""
+    return hasattr(SubprocessContext, "_capture_process_failures")
+
+
+def ended_ranks(error: ChildFailedError, first_rank: int, local_ranks: int) -> list[int]:
+    """This node's ranks that had exited with status 0 when the first failure came: those
+    the agent's failures leave out, where it records the ranks it stopped (else none is
+    named, rather than a stopped rank named wrongly)."""
+    if not records_stopped_ranks():
+        return []
+    failed = {f.local_rank for f in error.failures.values()}
+    return [first_rank + local for local in range(local_ranks) if local not in failed]
+
+
 def main(argv: list[str]) -> int:
     """Run the ranks; the exit code is the first failed rank's (128 + N for signal N)."""
     if len(argv) > 1:
@@ -54,14 +73,12 @@ def main(argv: list[str]) -> int:
         print(error.format_msg(), file=sys.stderr, flush=True)
         rank, failure = error.get_first_failure()
         code = failure_exit_code(error)
-        # The agent stopped every rank still running (a failure too); the others had ended well.
-        failed = {f.local_rank for f in error.failures.values()}
-        ended = [
-            rank - failure.local_rank + local
-            for local in range(local_world_size(args))
-            if local not in failed
-        ]
-        first = {"rank": rank, "local_rank": failure.local_rank, "exit_code": code, "ended": ended}
+        first = {
+            "rank": rank,
+            "local_rank": failure.local_rank,
+            "exit_code": code,
+            "ended": ended_ranks(error, rank - failure.local_rank, local_world_size(args)),
+        }
         Path(argv[0]).with_name(FAILURE_FILE).write_text(json.dumps(first), encoding="utf-8")
         return code
     return 0
