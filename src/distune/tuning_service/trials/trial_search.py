@@ -347,9 +347,13 @@ class TrialSearch:
             f"noise ({noise:.1%}: the distance between two runs of one configuration, or the "
             "trials' own spread where larger); not measured again"
         )
+        self._decide(decision)
+        return True
+
+    def _decide(self, decision: str) -> None:
+        """Record ``decision`` once: a rule asked again about the same trials answers alike."""
         if decision not in self.decisions:
             self.decisions.append(decision)
-        return True
 
     def clearly_better(self, result: TrialResult, other: TrialResult) -> bool:
         """Whether ``result`` beats ``other`` by more than the noise (:meth:`noise`) of the
@@ -393,8 +397,7 @@ class TrialSearch:
             f"{config.describe()}: not run, it can reach {bound.value:.4g} at most (from "
             f"{bound.anchor.config.describe()}), and {best.describe()} measured {value:.4g}"
         )
-        if decision not in self.decisions:
-            self.decisions.append(decision)
+        self._decide(decision)
         return False
 
     def bound(self, config: TrialConfig) -> Bound | None:
@@ -548,8 +551,7 @@ class TrialSearch:
             f"{pressed.config.describe()} ran near the cap but {below.config.describe()}, "
             "with room, was not faster"
         )
-        if decision not in self.decisions:
-            self.decisions.append(decision)
+        self._decide(decision)
         return None
 
     def _next_smaller(self, result: TrialResult) -> TrialResult | None:
@@ -635,8 +637,7 @@ class TrialSearch:
                     f"{below.config.describe()} was not faster than the fuller "
                     f"{config.describe()}"
                 )
-                if decision not in self.decisions:
-                    self.decisions.append(decision)
+                self._decide(decision)
                 return True
         return False
 
@@ -667,8 +668,7 @@ class TrialSearch:
                 f"{current.config.describe()}: not stepped down, {cheaper.config.describe()} "
                 + ("was slower" if slower else "bounds it and was measured")
             )
-            if decision not in self.decisions:
-                self.decisions.append(decision)
+            self._decide(decision)
             return True
         return False
 
