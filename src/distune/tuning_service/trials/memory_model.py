@@ -252,8 +252,8 @@ class MemoryModel:
     ) -> float:
         """``config``'s base plus its activations: the line through ``points`` (two or more);
         else from one point's offset (or the profile's micro-batch) along the single-point
-        slope, or along a slope that agreeing families measured where that predicts more (a
-        single point's figure falls short of the slope: never below it)."""
+        slope, or along a slope fitted by a family whose slope bounds ``config``'s where that
+        predicts more (a single point's figure falls short of the slope: never below it)."""
         base = self._base(config, share)
         if len(points) >= 2:
             slope, mean_x, mean_y = line_through(points)
