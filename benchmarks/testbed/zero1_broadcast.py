@@ -8,8 +8,9 @@ its own ``ZeroRedundancyOptimizer`` (AdamW), and runs, in interleaved blocks (A 
   then the broadcast of every rank's updated shard);
 * ``sync``: the broadcast alone (``_sync_params``, what ``step`` runs after its local step);
 
-and, as references, a flat allreduce of the gradients' size (DDP's traffic each step) and one
-broadcast of each rank's shard as a single tensor. Each block reads the node's link counters
+and, as references, a flat allreduce of the gradients' size (DDP's traffic each step), one
+broadcast of each rank's shard as a single tensor, both at once (asynchronous, as zero1 issues
+them), and the same two one after the other. Each block reads the node's link counters
 (``/proc/net/dev`` in its namespace) before and after, so bytes a step are the kernel's count,
 headers included. A timed call is the slowest rank's. After the blocks every variant's
 parameters are compared with the first's: they must be equal (same gradients, same steps).
@@ -55,6 +56,43 @@ def link_bytes(interface: str) -> tuple[int, int]:
             values = fields.split()
             return int(values[0]), int(values[8])
     raise ValueError(f"no interface {interface!r} in /proc/net/dev")
+
+
+def _timed_blocks(
+    calls: dict[str, tuple[Callable[[], None], Callable[[], object]]],
+    rounds: int,
+    steps: int,
+    interface: str,
+) -> dict[str, dict[str, list[float]]]:
+    """Every call's blocks of ``steps`` timed calls, in an order reversed each round (A B B A),
+    each call the slowest rank's seconds; bytes a call from the link's counters, a block's mean.
+    """
+    import torch
+    import torch.distributed as dist
+
+    figures: dict[str, dict[str, list[float]]] = {
+        key: {"seconds": [], "bytes": []} for key in calls
+    }
+    keys = list(calls)
+    for round_index in range(rounds):
+        for key in keys if round_index % 2 == 0 else keys[::-1]:
+            prepare, call = calls[key]
+            seconds = []
+            dist.barrier()
+            rx0, tx0 = link_bytes(interface)
+            for _ in range(steps):
+                prepare()
+                dist.barrier()
+                start = time.perf_counter()
+                call()
+                seconds.append(time.perf_counter() - start)
+            rx1, tx1 = link_bytes(interface)
+            slowest = torch.tensor(seconds, dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            figures[key]["seconds"].extend(slowest.tolist())
+            # The barriers' few hundred bytes a call are in the count, as they are in a job's.
+            figures[key]["bytes"].append((tx1 - tx0 + rx1 - rx0) / 2 / steps)
+    return figures
 
 
 def run_worker(args: argparse.Namespace) -> None:
@@ -107,35 +145,18 @@ def run_worker(args: argparse.Namespace) -> None:
         for handle in handles:
             handle.wait()
 
+    def one_shard_then_the_other() -> None:
+        for src, tensor in enumerate(shards):
+            dist.broadcast(tensor, src)
+
     calls: dict[str, tuple[Callable[[], None], Callable[[], object]]] = {}
     for name, (_, zero) in built.items():
         calls[f"step/{name}"] = (gradients_for(name), zero.step)
         calls[f"sync/{name}"] = (lambda: None, zero._sync_params)
     calls["ref/allreduce_gradients"] = (lambda: None, lambda: dist.all_reduce(flat))
     calls["ref/broadcast_one_shard_each"] = (lambda: None, one_shard_each)
-    figures: dict[str, dict[str, list[float]]] = {
-        key: {"seconds": [], "bytes": []} for key in calls
-    }
-    keys = list(calls)
-    for round_index in range(args.rounds):
-        order = keys if round_index % 2 == 0 else keys[::-1]
-        for key in order:
-            prepare, call = calls[key]
-            seconds = []
-            dist.barrier()
-            rx0, tx0 = link_bytes(interface)
-            for _ in range(args.steps):
-                prepare()
-                dist.barrier()
-                start = time.perf_counter()
-                call()
-                seconds.append(time.perf_counter() - start)
-            rx1, tx1 = link_bytes(interface)
-            slowest = torch.tensor(seconds, dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            figures[key]["seconds"].extend(slowest.tolist())
-            # The barriers' few hundred bytes a call are in the count, as they are in a job's.
-            figures[key]["bytes"].append((tx1 - tx0 + rx1 - rx0) / 2 / args.steps)
+    calls["ref/broadcast_shards_in_turn"] = (lambda: None, one_shard_then_the_other)
+    figures = _timed_blocks(calls, args.rounds, args.steps, interface)
     reference = list(built["stock"][0].parameters())
     equal = {
         name: all(torch.equal(a, b) for a, b in zip(model.parameters(), reference, strict=True))
