@@ -33,7 +33,7 @@ from torch.distributed.run import parse_min_max_nnodes
 from distune.cut_line import parse_keeping_finished
 from distune.errors import ServiceError
 from distune.launcher.options import AutotuneOptions, OptionError, flags, local_world_size
-from distune.launcher.trial_args import rewrite_script_args
+from distune.launcher.trial_args import rewrite_script_args, script_batch
 from distune.launcher.trial_client import TrialClient, TrialRefusedError
 from distune.launcher.trial_node import NodeTrials
 from distune.launcher.trial_report import TrialReport
@@ -481,7 +481,13 @@ class Level2:
         what = config.describe() if config is not None else "the script's own configuration"
         predicted_text = f", predicted peak {predicted / 2**20:.1f} MiB" if predicted else ""
         self._say(f"trial {index}/{self.max_trials} ({purpose}): {what}{predicted_text}")
-        settings = settings_for(config, self.pins, self.options.autotune_device_memory)
+        # The profile runs the script's own arguments: its ranks are told the batch they give.
+        pins = (
+            self.pins
+            if config is not None
+            else script_batch(list(self.args.training_script_args), self.pins)
+        )
+        settings = settings_for(config, pins, self.options.autotune_device_memory)
         view = self.client.publish(
             {
                 "trial": index,
