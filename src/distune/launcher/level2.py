@@ -37,7 +37,7 @@ from distune.launcher.trial_args import rewrite_script_args, script_batch
 from distune.launcher.trial_client import TrialClient, TrialRefusedError
 from distune.launcher.trial_node import NodeTrials
 from distune.launcher.trial_report import TrialReport
-from distune.launcher.trial_runner import TrialRunner
+from distune.launcher.trial_runner import ENDED_SHORT, TrialRunner
 from distune.launcher.tuned_job import JOB_FILE, TunedJob
 from distune.trial_settings import TrialSettings
 from distune.tuning_service.trial_board import OUTCOME_PRIORITY
@@ -526,10 +526,11 @@ class Level2:
 
     def _profile_config(self, measured: dict[str, Any]) -> TrialConfig:
         reported = measured.get("config")
-        if reported is None:
+        if reported is None:  # as far as the pins and the script's own mapped flags tell
+            told = script_batch(list(self.args.training_script_args), self.pins)
             return TrialConfig(
-                self.pins.micro_batch or 1,
-                self.pins.accumulation or 1,
+                told.micro_batch or 1,
+                told.accumulation or 1,
                 self.pins.stage or 0,
                 bool(self.pins.checkpointing),
                 bool(self.pins.bf16),
@@ -619,7 +620,8 @@ class Level2:
             self._say(f"pinned (never changed): {self.pins.pinned()}")
         profile = self._trial(0, None, PROFILE, None)
         if profile.outcome != OK:
-            hint = "" if profile.outcome in (OOM, CRASH) else _TAKING_PART
+            took_part = (profile.error or "").startswith(ENDED_SHORT)
+            hint = "" if profile.outcome in (OOM, CRASH) or took_part else _TAKING_PART
             self._say(
                 f"the profile trial (the script's own configuration) ended {profile.outcome}: "
                 f"nothing to tune from; see its log{hint}"
