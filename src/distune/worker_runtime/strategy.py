@@ -101,6 +101,19 @@ def _groups_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[
     return groups
 
 
+def _refuse_a_scheduler(optimizer: torch.optim.Optimizer, stage: int) -> None:
+    """A stage that rebuilds the optimizer leaves a learning-rate scheduler built on the
+    script's own optimizer stepping that one: the rebuilt optimizer's rate would never change.
+    torch's schedulers mark every group they take with ``initial_lr``."""
+    if any("initial_lr" in group for group in optimizer.param_groups):
+        raise StrategyError(
+            f"distune.prepare: a learning-rate scheduler was built on the optimizer before "
+            f"prepare; ZeRO stage {stage} rebuilds the optimizer, so the scheduler would "
+            "step the old one and the learning rate would never change: build the scheduler "
+            "on run.optimizer, after distune.prepare"
+        )
+
+
 def _constructor_options(optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer's defaults that its constructor takes (some, like AdamW's
     ``decoupled_weight_decay``, are set by the class itself)."""
@@ -156,6 +169,8 @@ def apply(
             "blocks=(YourBlock,) to distune.prepare"
         )
     groups = _groups_by_name(model, optimizer)
+    if stage > 0:
+        _refuse_a_scheduler(optimizer, stage)
     if checkpointing:
         apply_activation_checkpointing(
             model,

@@ -20,6 +20,7 @@ from torch import nn
 import distune
 from distune.trial_settings import ACCUMULATION, MICRO_BATCH, TRIAL_DIR
 from distune.worker_runtime.prepare import Prepared
+from distune.worker_runtime.strategy import StrategyError
 from distune.worker_runtime.trial_measurement import TrialStepError
 
 
@@ -150,3 +151,33 @@ def test_a_step_a_gradient_scaler_skips_is_an_iteration_not_a_wrong_accumulation
     step(trial_run, 4, through_accumulate=True)  # then one the optimizer takes
     # Each skipped iteration was a step of its own, ended as the next began.
     assert json.loads((Path(os.environ[TRIAL_DIR]) / "progress").read_text()) == {"steps": 4}
+
+
+@pytest.mark.parametrize("stage", ["0", "1"])
+def test_a_scheduler_built_before_prepare_is_refused_where_the_optimizer_is_rebuilt(
+    stage, monkeypatch
+):
+    monkeypatch.setenv("DISTUNE_ZERO_STAGE", stage)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)
+        early = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+        if stage == "1":  # the scheduler would step the old optimizer: the rate stays 1.0
+            with pytest.raises(StrategyError, match=r"build the scheduler on run\.optimizer"):
+                distune.prepare(model, optimizer, micro_batch_size=2)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)
+        run = distune.prepare(model, optimizer, micro_batch_size=2)
+        scheduler = (
+            early
+            if stage == "0"
+            else torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda step: 0.5**step)
+        )
+        for _ in range(3):
+            run.model(torch.randn(2, 4)).sum().backward()
+            run.optimizer.step()
+            run.optimizer.zero_grad()
+            scheduler.step()
+        assert run.optimizer.param_groups[0]["lr"] == 0.125
+    finally:
+        dist.destroy_process_group()
