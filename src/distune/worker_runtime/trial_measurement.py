@@ -292,6 +292,13 @@ class TrialMeasurement:
         """A step must run the trial's accumulation steps: a script that loops over its own
         count (not ``run.gradient_accumulation_steps``) trains another global batch, and under
         fewer micro-steps than ``prepare`` set it never averages its gradients at all."""
+        if self._forwards == 0:
+            raise TrialStepError(
+                "distune trial: this optimizer step ran no training forward through run.model, "
+                "the model distune.prepare returned: a forward through the script's own model "
+                "(or run.model.module) leaves its gradients unaveraged, and the trial would "
+                "measure a job that never communicates; run the forwards as run.model(x)"
+            )
         wanted = self.accumulation
         if self._micro_steps:
             if self._micro_steps == list(range(wanted)):

@@ -75,6 +75,17 @@ def test_without_run_accumulate_a_step_of_too_few_forwards_crashes(trial_run):
         step(trial_run, 1, through_accumulate=False)
 
 
+def test_a_step_whose_forwards_bypass_run_model_crashes_rather_than_measure_no_allreduce(
+    trial_run,
+):
+    bare = trial_run.model.module  # the script's own model: its gradients stay local
+    for i in range(4):
+        with trial_run.accumulate(i):
+            bare(torch.randn(2, 16)).sum().backward()
+    with pytest.raises(TrialStepError, match=r"ran no training forward through run\.model"):
+        trial_run.optimizer.step()
+
+
 @pytest.mark.parametrize("through_accumulate", [True, False])
 def test_the_trials_micro_steps_of_two_forwards_each_pass(trial_run, through_accumulate):
     for _ in range(3):
