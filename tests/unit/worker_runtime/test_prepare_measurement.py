@@ -192,3 +192,31 @@ def test_a_scheduler_built_before_prepare_is_refused_where_the_optimizer_is_rebu
         assert run.optimizer.param_groups[0]["lr"] == 0.125
     finally:
         dist.destroy_process_group()
+
+
+def test_under_fsdp_the_ddp_idioms_through_model_module_raise_naming_run_model(monkeypatch):
+    # With 2 ranks run.model.module's state_dict() held each rank's flattened shards (an
+    # 'inp.weight' of shape (81,) for (16, 8)): torch.save of it, DDP's rank-0 idiom, saved
+    # no model; a rank-0 evaluation through it failed with "mat2 must be a matrix".
+    monkeypatch.setenv("DISTUNE_ZERO_STAGE", "2")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        run = distune.prepare(model, torch.optim.SGD(model.parameters()), micro_batch_size=2)
+        run.model(torch.randn(2, 4)).sum().backward()  # through the root: fine
+        state = run.model.state_dict()
+        run.model.load_state_dict(state)
+        for misuse in (
+            lambda: run.model.module(torch.randn(2, 4)),
+            lambda: run.model.module.state_dict(),
+            lambda: run.model.module.load_state_dict(state),
+        ):
+            with pytest.raises(
+                StrategyError, match=r"under ZeRO stage 2 \(FSDP\) run\.model\.module"
+            ):
+                misuse()
+        run.model.eval()
+        with torch.no_grad():
+            assert run.model(torch.randn(3, 4)).shape == (3, 4)  # the root still runs
+    finally:
+        dist.destroy_process_group()
