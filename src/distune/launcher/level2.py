@@ -74,11 +74,11 @@ _TAKING_PART = (
 )
 
 
-#: Said where the profile found no repeated blocks (two or more modules of one class in a
-#: ModuleList or Sequential), which ZeRO-3 and activation checkpointing wrap.
+#: Said where the profile found no repeated blocks (a ModuleList or Sequential of two or more
+#: modules, all of one class), which ZeRO-3 and activation checkpointing wrap.
 NO_BLOCKS = (
-    "the model has no repeated blocks (two or more modules of one class in a ModuleList or "
-    "Sequential): ZeRO-3 and activation checkpointing are not tried; pass blocks=(YourBlock,) "
+    "the model has no repeated blocks (a ModuleList or Sequential of two or more modules, all "
+    "of one class): ZeRO-3 and activation checkpointing are not tried; pass blocks=(YourBlock,) "
     "to distune.prepare to try them"
 )
 

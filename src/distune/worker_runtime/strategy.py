@@ -66,7 +66,8 @@ class Applied:
 
 
 def repeated_blocks(model: nn.Module) -> tuple[type[nn.Module], ...]:
-    """Classes of the model's repeated blocks: two or more of one class in a list of modules."""
+    """Classes of the model's repeated blocks: those of a ModuleList or Sequential of two or
+    more modules, all of one class (a mixed one, embedding, blocks, head, names none)."""
     classes: dict[type[nn.Module], None] = {}
     for module in model.modules():
         if isinstance(module, nn.ModuleList | nn.Sequential):
@@ -165,7 +166,7 @@ def apply(
     if (checkpointing or stage == 3) and not block_classes:
         raise StrategyError(
             f"{'activation checkpointing' if checkpointing else 'ZeRO-3'} needs repeated blocks "
-            "(two or more modules of one class in a ModuleList or Sequential), or pass "
+            "(a ModuleList or Sequential of two or more modules, all of one class), or pass "
             "blocks=(YourBlock,) to distune.prepare"
         )
     groups = _groups_by_name(model, optimizer)
