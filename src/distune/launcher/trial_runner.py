@@ -141,6 +141,17 @@ def too_few_steps(progress: dict[str, Any] | None, settings: TrialSettings) -> s
     )
 
 
+def stalled(progress: dict[str, Any] | None, timeout: float) -> str:
+    """Why the watchdog stopped a trial whose script reached distune: the steps it finished
+    (its first local rank's ``progress``), and the flag that gives a slow step more time."""
+    steps = None if progress is None else progress.get("steps")
+    when = f"after step {steps}" if isinstance(steps, int) else "before the first step"
+    return (
+        f"no step finished for {timeout:g} s {when}: a hang, or a step slower than that "
+        "(torch.compile's first steps compile); --autotune_trial_timeout gives steps more time"
+    )
+
+
 def descendants(pid: int) -> set[int]:
     """The pids of ``pid``'s children, theirs, and so on, from /proc (empty where absent)."""
     found: set[int] = set()
@@ -306,6 +317,8 @@ class TrialRunner:
             error = f"{error}\n{early}" if error else early
         if outcome == INVALID:
             error = too_few_steps(read_json_object(trial_dir / "progress"), settings) or error
+        if outcome == TIMEOUT:
+            error = stalled(read_json_object(trial_dir / "progress"), self.trial_timeout)
         if outcome == TIMEOUT and not any(trial_dir.glob("pid.*")):
             # Each rank writes its pid file once distune measures it: none did.
             error = (

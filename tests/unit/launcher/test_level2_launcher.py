@@ -17,7 +17,7 @@ from distune.launcher.level2 import (
 from distune.launcher.main import main
 from distune.launcher.options import parse, trial_pins
 from distune.launcher.trial_args import rewrite_script_args, script_batch
-from distune.launcher.trial_runner import classify
+from distune.launcher.trial_runner import classify, stalled
 from distune.tuning_service.trials.trial_config import TrialConfig, TrialPins
 from distune.tuning_service.trials.trial_result import TrialResult
 
@@ -57,6 +57,13 @@ def test_the_word_error_in_the_log_does_not_fail_an_ok_trial() -> None:
 def test_a_crash_carries_the_failing_ranks_traceback_tail() -> None:
     _, error = classify(1, False, [{"outcome": "crash", "error": "ValueError: bad"}], None, "")
     assert error == "ValueError: bad"
+
+
+def test_a_timed_out_trial_says_how_far_it_got_and_names_the_flag() -> None:
+    flag = "; --autotune_trial_timeout gives steps more time"
+    assert stalled({"steps": 3}, 120.0).startswith("no step finished for 120 s after step 3: ")
+    assert stalled(None, 2.5).startswith("no step finished for 2.5 s before the first step: ")
+    assert stalled({"steps": 3}, 120.0).endswith(flag)
 
 
 def test_mapped_flags_are_rewritten_in_both_spellings() -> None:
