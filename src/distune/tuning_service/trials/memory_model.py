@@ -23,13 +23,18 @@ a trial without accumulation has run: half of ``G`` under ddp, zero1 and zero2 (
 gradients through backward), all of it under zero3 (FSDP keeps unsharded gradients between
 micro-steps only while accumulating, in ``no_sync``, and reshards each block after its
 backward); the profile's residual gets the prior share back when it ran without accumulation.
+Checkpointing keeps ``C / A`` of the activations (``C`` the profile's checkpointed bytes a
+sample) for the gradients to overlap, so until a checkpointed trial without accumulation has
+measured its class's share, ddp, zero1 and zero2 with checkpointing predict with the share of
+the same configuration without checkpointing (learned, or the prior) times ``C / A``: measured
+0.28-0.42 with checkpointing against 0.90-0.93 without, where ``G / 2`` under-predicted.
 Each ok trial without accumulation then measures its share: its prediction as if it
 accumulated (from its family's trials with accumulation, or the profile alone) less its
 measured peak, over ``G``, within [0, 1]. A share holds for its *sharing class*, (zero3 or not,
 checkpointing): under ddp, zero1 and zero2 the gradients appear block by block in backward as
 the activations go, whatever the stage, while checkpointing keeps far fewer activations to
 overlap them. The class predicts with the smallest share its trials measured (the safe side),
-and a share above the prior only at micro-batches at least as large as the one it was measured
+and a share above its prior only at micro-batches at least as large as the one it was measured
 at (fewer activations overlap less of the gradients). Measured on three grids (``docs/level2.md``):
 0.90-0.96 of ``G`` without checkpointing, 0.28-0.51 with it under ddp and zero1, so a fixed
 share either skips configurations that fit or launches ones that do not. A trial that still
@@ -56,7 +61,7 @@ repeated blocks the uncheckpointed ``A`` bounds them from above.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from distune.tuning_service.trials.trial_config import TrialConfig
 
@@ -93,13 +98,31 @@ class ModelFacts:
             return p + (g + o) / w
         return (p + g + o) / w + 2 * self.largest_block_bytes  # a block's parameters and grads
 
+    @property
+    def checkpointed_ratio(self) -> float:
+        """The share of the forward's activations per sample that checkpointing keeps
+        (1 where the profile could not measure it: ``A`` bounds it)."""
+        measured = self.checkpointed_bytes_per_sample
+        if measured is None or self.activation_bytes_per_sample <= 0:
+            return 1.0
+        return min(measured, self.activation_bytes_per_sample) / self.activation_bytes_per_sample
+
+    def prior_share(self, config: TrialConfig) -> float:
+        """The share of the gradients ``config`` (without accumulation) is taken not to hold at
+        its peak before any trial has measured one: all under zero3 (FSDP reshards each block's
+        gradients as backward makes them), else half, times :attr:`checkpointed_ratio` with
+        checkpointing (the gradients overlap the activations still live in backward, and
+        checkpointing keeps that ratio of them)."""
+        if config.stage == 3:
+            return 1.0
+        return 0.5 * (self.checkpointed_ratio if config.checkpointing else 1.0)
+
     def unaccumulated_bytes(self, config: TrialConfig, share: float | None = None) -> float:
         """Gradient bytes that ``config`` does not hold at its peak for lack of accumulation
-        (0 with accumulation): ``share`` of them, by default the prior
-        :func:`unaccumulated_prior`."""
+        (0 with accumulation): ``share`` of them, by default the prior :meth:`prior_share`."""
         if config.accumulation > 1:
             return 0.0
-        return self.gradient_bytes * (unaccumulated_prior(config.stage) if share is None else share)
+        return self.gradient_bytes * (self.prior_share(config) if share is None else share)
 
     def formula_bytes(
         self, config: TrialConfig, activation_bytes_per_sample: float, share: float | None = None
@@ -118,12 +141,6 @@ class ModelFacts:
         return self.profile_peak_bytes - self.formula_bytes(
             self.profile, self.activation_bytes_per_sample
         )
-
-
-def unaccumulated_prior(stage: int) -> float:
-    """The share of the gradients a configuration without accumulation is taken not to hold at
-    its peak until a trial has measured it: half under ddp, zero1 and zero2, all under zero3."""
-    return 1.0 if stage == 3 else 0.5
 
 
 def sharing_class(config: TrialConfig) -> tuple[bool, bool]:
@@ -164,10 +181,11 @@ class MemoryModel:
 
     def share(self, config: TrialConfig) -> float:
         """The share of the gradients ``config`` is predicted not to hold at its peak without
-        accumulation: the smallest that its sharing class's trials measured (the prior before
-        any), and a share above the prior only at micro-batches at least as large as the one it
-        was measured at (fewer activations leave the gradients less to overlap)."""
-        prior = unaccumulated_prior(config.stage)
+        accumulation: the smallest that its sharing class's trials measured (the class's
+        :meth:`class_prior` before any), and a share above that prior only at micro-batches at
+        least as large as the one it was measured at (fewer activations leave the gradients
+        less to overlap)."""
+        prior = self.class_prior(config)
         learned = self._shares.get(sharing_class(config), [])
         if not learned:
             return prior
@@ -175,6 +193,17 @@ class MemoryModel:
             share if config.micro_batch >= micro_batch else min(share, prior)
             for share, micro_batch in learned
         )
+
+    def class_prior(self, config: TrialConfig) -> float:
+        """``config``'s share before its sharing class has measured one: with checkpointing
+        (ddp, zero1, zero2), the share of the same configuration without checkpointing (learned
+        or prior) times :attr:`ModelFacts.checkpointed_ratio`, since checkpointing leaves that
+        ratio of the activations for the gradients to overlap; else :meth:`ModelFacts.prior_share`.
+        """
+        if config.checkpointing and config.stage != 3:
+            unchecked = self.share(replace(config, checkpointing=False))
+            return unchecked * self.facts.checkpointed_ratio
+        return self.facts.prior_share(config)
 
     def _base(self, config: TrialConfig, share: float | None = None) -> float:
         """Predicted bytes of ``config`` less its activations (with the learned share of the
@@ -243,7 +272,7 @@ class MemoryModel:
         if not accumulating:
             return round(self._from_points(config, self._points(config, True)))
         # Measured above the prior's line (whatever the share), the family holds more.
-        prior = unaccumulated_prior(config.stage)
+        prior = self.facts.prior_share(config)
         above_prior = self._from_points(config, self._points(config, False, prior))
         return round(max(above_prior, self._from_points(config, {})))
 
