@@ -18,7 +18,7 @@ from distune.launcher.level2 import free_port
 from distune.launcher.options import parse
 from distune.launcher.trial_runner import TrialRunner, descendants
 from distune.trial_settings import TrialSettings
-from distune.tuning_service.trials.trial_result import CRASH, OK, TIMEOUT
+from distune.tuning_service.trials.trial_result import CRASH, INVALID, OK, TIMEOUT
 from tests.e2e.conftest import SCRIPTS
 
 pytestmark = pytest.mark.slow
@@ -51,6 +51,17 @@ def test_a_run_path_trial_ends_once_measured_rather_than_at_its_time_out(tmp_pat
     )
     assert run.outcome == OK, run.error
     assert run.duration < TRIAL_TIMEOUT
+
+
+def test_a_script_that_ends_before_the_trials_steps_is_told_how_many_it_needs(tmp_path):
+    run = one_trial(tmp_path, [WORKER]).run(
+        0, TrialSettings(micro_batch=2, accumulation=1), ["--steps", "4"], free_port()
+    )
+    assert run.outcome == INVALID
+    assert run.error == (
+        "the script ended after 4 optimizer step(s); a trial runs 7 (2 warm-up, 5 measured): "
+        "give it at least 7 in level 2 (its own steps, max_steps or epochs flag)"
+    )
 
 
 def test_a_script_that_never_reaches_distune_times_out_saying_so(tmp_path):

@@ -65,8 +65,11 @@ class Net(nn.Module):
         return self.out(x)
 
 
-def train(stage: int, checkpointing: bool, micro: int, bf16: bool = False) -> list[float]:
-    """Losses of STEPS optimizer steps on this rank's fixed data, under one configuration."""
+def train(
+    stage: int, checkpointing: bool, micro: int, bf16: bool = False, clip: float | None = None
+) -> list[float]:
+    """Losses of STEPS optimizer steps on this rank's fixed data, under one configuration
+    (then, where gradients are clipped to ``clip``, the norms ``run.clip_grad_norm_`` saw)."""
     os.environ.update(
         {
             BF16: str(int(bf16)),
@@ -86,7 +89,7 @@ def train(stage: int, checkpointing: bool, micro: int, bf16: bool = False) -> li
     assert run.bf16 == bf16
     data = torch.Generator().manual_seed(100 + rank)
     x, y = torch.randn(PER_RANK, 8, generator=data), torch.randn(PER_RANK, 1, generator=data)
-    losses = []
+    losses, norms = [], []
     for _ in range(STEPS):
         total = 0.0
         for i, (xs, ys) in enumerate(zip(x.split(micro), y.split(micro), strict=True)):
@@ -94,10 +97,12 @@ def train(stage: int, checkpointing: bool, micro: int, bf16: bool = False) -> li
                 loss = nn.functional.mse_loss(run.model(xs), ys) / run.gradient_accumulation_steps
                 loss.backward()
             total += loss.item()
+        if clip is not None:
+            norms.append(float(run.clip_grad_norm_(clip)))
         run.optimizer.step()
         run.optimizer.zero_grad()
         losses.append(total)
-    return losses
+    return losses + norms
 
 
 @scenario
@@ -112,7 +117,11 @@ def strategies_train_the_same_model(out: Path) -> dict:
         (0, True, 4),
     ]
     losses: dict = {f"{s}/{c}/{m}": train(s, c, m) for s, c, m in configs}
-    return {**losses, STOCK_ZERO1: zero1_against_stock_zero1()}
+    # Clipped well below the gradients' norm: a rank clipping its shard by its own part of the
+    # norm (torch's clip_grad_norm_ under FSDP) would train another model.
+    clipped = [(0, False, 4), (1, False, 2), (2, False, 4), (3, False, 2)]
+    clipped_losses = {f"clip {s}/{c}/{m}": train(s, c, m, clip=0.01) for s, c, m in clipped}
+    return {**losses, **clipped_losses, STOCK_ZERO1: zero1_against_stock_zero1()}
 
 
 @scenario
@@ -182,9 +191,10 @@ def test_every_strategy_gives_ddps_losses_at_the_same_global_batch(tmp_path):
         # zero1's parameters are torch's stock zero1's, bit for bit, whatever its broadcast.
         assert rank_result.pop(STOCK_ZERO1) == {"equal": True, "trained": True}
         # Each rank's losses are on its own data: compare within the rank.
-        reference = rank_result["0/False/4"]
         for config, losses in rank_result.items():
+            reference = rank_result["clip 0/False/4" if "clip" in config else "0/False/4"]
             torch.testing.assert_close(losses, reference, rtol=1e-5, atol=1e-6, msg=config)
+    assert results[0]["clip 0/False/4"][:STEPS] != results[0]["0/False/4"]  # clipping bit
     job_loss = [sum(r["0/False/4"][step] for r in results) for step in range(STEPS)]
     assert job_loss[-1] < job_loss[0]  # it trains: the job's loss, whose gradient each rank steps
 

@@ -33,11 +33,11 @@ from torch.distributed.run import parse_min_max_nnodes
 from distune.cut_line import parse_keeping_finished
 from distune.errors import ServiceError
 from distune.launcher.options import AutotuneOptions, OptionError, flags, local_world_size
-from distune.launcher.trial_args import rewrite_script_args
+from distune.launcher.trial_args import rewrite_script_args, script_batch
 from distune.launcher.trial_client import TrialClient, TrialRefusedError
 from distune.launcher.trial_node import NodeTrials
 from distune.launcher.trial_report import TrialReport
-from distune.launcher.trial_runner import TrialRunner
+from distune.launcher.trial_runner import ENDED_SHORT, TrialRunner
 from distune.launcher.tuned_job import JOB_FILE, TunedJob
 from distune.trial_settings import TrialSettings
 from distune.tuning_service.trial_board import OUTCOME_PRIORITY
@@ -74,13 +74,17 @@ _TAKING_PART = (
 )
 
 
-#: Said where the profile found no repeated blocks (two or more modules of one class in a
-#: ModuleList or Sequential), which ZeRO-3 and activation checkpointing wrap.
-NO_BLOCKS = (
-    "the model has no repeated blocks (two or more modules of one class in a ModuleList or "
-    "Sequential): ZeRO-3 and activation checkpointing are not tried; pass blocks=(YourBlock,) "
-    "to distune.prepare to try them"
-)
+def no_blocks_notice(untried: tuple[str, ...]) -> str:
+    """Said where the profile found no repeated blocks (a ModuleList or Sequential of two or
+    more modules, all of one class), which ZeRO-3 and activation checkpointing wrap, and that
+    took ``untried`` knobs out of the search."""
+    verb, them = ("are", "them") if len(untried) > 1 else ("is", "it")
+    return (
+        "the model has no repeated blocks (a ModuleList or Sequential of two or more modules, all "
+        f"of one class), so {' and '.join(untried)} {verb} not tried; pass blocks=(YourBlock,) "
+        f"to distune.prepare to try {them}"
+    )
+
 
 #: Seconds node 0 waits for the other nodes' reports beyond the trial time-out (their own
 #: watchdogs fire within the time-out, and stopping takes a few seconds more).
@@ -481,7 +485,13 @@ class Level2:
         what = config.describe() if config is not None else "the script's own configuration"
         predicted_text = f", predicted peak {predicted / 2**20:.1f} MiB" if predicted else ""
         self._say(f"trial {index}/{self.max_trials} ({purpose}): {what}{predicted_text}")
-        settings = settings_for(config, self.pins, self.options.autotune_device_memory)
+        # The profile runs the script's own arguments: its ranks are told the batch they give.
+        pins = (
+            self.pins
+            if config is not None
+            else script_batch(list(self.args.training_script_args), self.pins)
+        )
+        settings = settings_for(config, pins, self.options.autotune_device_memory)
         view = self.client.publish(
             {
                 "trial": index,
@@ -520,10 +530,11 @@ class Level2:
 
     def _profile_config(self, measured: dict[str, Any]) -> TrialConfig:
         reported = measured.get("config")
-        if reported is None:
+        if reported is None:  # as far as the pins and the script's own mapped flags tell
+            told = script_batch(list(self.args.training_script_args), self.pins)
             return TrialConfig(
-                self.pins.micro_batch or 1,
-                self.pins.accumulation or 1,
+                told.micro_batch or 1,
+                told.accumulation or 1,
                 self.pins.stage or 0,
                 bool(self.pins.checkpointing),
                 bool(self.pins.bf16),
@@ -613,7 +624,8 @@ class Level2:
             self._say(f"pinned (never changed): {self.pins.pinned()}")
         profile = self._trial(0, None, PROFILE, None)
         if profile.outcome != OK:
-            hint = "" if profile.outcome in (OOM, CRASH) else _TAKING_PART
+            took_part = (profile.error or "").startswith(ENDED_SHORT)
+            hint = "" if profile.outcome in (OOM, CRASH) or took_part else _TAKING_PART
             self._say(
                 f"the profile trial (the script's own configuration) ended {profile.outcome}: "
                 f"nothing to tune from; see its log{hint}"
@@ -631,8 +643,9 @@ class Level2:
             )
         except TrialConfigError as error:
             raise OptionError(f"--autotune_level 2: {error}") from None
-        if not space.repeated_blocks:
-            self._say(NO_BLOCKS)
+        untried = space.untried_for_want_of_blocks()
+        if untried:
+            self._say(no_blocks_notice(untried))
         if profile.facts.get("api") == WRAPPER_API:
             self._say(
                 "the script is measured through distune.DistributedDataParallel (it never calls "

@@ -6,6 +6,8 @@ configuration's values through them; the config's ``arg_mappings`` names the fla
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from distune.tuning_service.trials.trial_config import ACCUMULATION, MICRO_BATCH, TrialPins
 
 
@@ -22,6 +24,36 @@ def without_flag(script_args: list[str], flag: str) -> list[str]:
         elif not arg.startswith(f"{flag}="):
             kept.append(arg)
     return kept
+
+
+def flag_value(script_args: list[str], flag: str) -> str | None:
+    """The value the script's parser sees for ``flag`` (its last ``--flag V`` or
+    ``--flag=V``), or None where the arguments do not give it."""
+    value = None
+    for arg, following in zip(script_args, [*script_args[1:], None], strict=True):
+        if arg == flag and following is not None:
+            value = following
+        elif arg.startswith(f"{flag}="):
+            value = arg[len(flag) + 1 :]
+    return value
+
+
+def script_batch(script_args: list[str], pins: TrialPins) -> TrialPins:
+    """``pins`` with the unpinned batch knobs that ``arg_mappings`` reach set to the values
+    the script's own arguments give their flags (``--batch_size 20``): what the profile trial,
+    which runs the script's own arguments, tells its ranks, so that a script measured through
+    its wrapper has its micro-batch found in whichever dimension of its input holds it (a
+    sequence-first model's input is ``(time, batch)``)."""
+    own: dict[str, int] = {}
+    for key, flag in pins.arg_mappings:
+        value = flag_value(script_args, flag)
+        if value is not None and value.isdigit() and int(value) > 0:
+            own[key] = int(value)
+    return replace(
+        pins,
+        micro_batch=pins.micro_batch or own.get(MICRO_BATCH),
+        accumulation=pins.accumulation or own.get(ACCUMULATION),
+    )
 
 
 def unmapped_args(script_args: list[str], pins: TrialPins) -> list[str]:

@@ -121,6 +121,37 @@ def classify(
     return CRASH, log_tail or f"exit status {exit_code}"
 
 
+#: How a trial whose script took part but ran too few steps is explained (the profile's hint
+#: on how to take part is then left out).
+ENDED_SHORT = "the script ended after"
+
+
+def too_few_steps(progress: dict[str, Any] | None, settings: TrialSettings) -> str | None:
+    """Why a trial whose script took part (its first local rank wrote ``progress``) ended with
+    status 0 and no result: it ran out of steps (its own ``--steps``, ``--max_steps`` or
+    epochs) before the warm-up and measured steps; None where ``progress`` says nothing."""
+    steps = None if progress is None else progress.get("steps")
+    if not isinstance(steps, int):
+        return None
+    needed = settings.warmup_steps + settings.measured_steps
+    return (
+        f"{ENDED_SHORT} {steps} optimizer step(s); a trial runs {needed} ("
+        f"{settings.warmup_steps} warm-up, {settings.measured_steps} measured): give it at least "
+        f"{needed} in level 2 (its own steps, max_steps or epochs flag)"
+    )
+
+
+def stalled(progress: dict[str, Any] | None, timeout: float) -> str:
+    """Why the watchdog stopped a trial whose script reached distune: the steps it finished
+    (its first local rank's ``progress``), and the flag that gives a slow step more time."""
+    steps = None if progress is None else progress.get("steps")
+    when = f"after step {steps}" if isinstance(steps, int) else "before the first step"
+    return (
+        f"no step finished for {timeout:g} s {when}: a hang, or a step slower than that "
+        "(torch.compile's first steps compile); --autotune_trial_timeout gives steps more time"
+    )
+
+
 def descendants(pid: int) -> set[int]:
     """The pids of ``pid``'s children, theirs, and so on, from /proc (empty where absent)."""
     found: set[int] = set()
@@ -284,6 +315,10 @@ class TrialRunner:
         )
         if outcome == CRASH and (early := ended_early(trial_dir)) is not None:
             error = f"{error}\n{early}" if error else early
+        if outcome == INVALID:
+            error = too_few_steps(read_json_object(trial_dir / "progress"), settings) or error
+        if outcome == TIMEOUT:
+            error = stalled(read_json_object(trial_dir / "progress"), self.trial_timeout)
         if outcome == TIMEOUT and not any(trial_dir.glob("pid.*")):
             # Each rank writes its pid file once distune measures it: none did.
             error = (

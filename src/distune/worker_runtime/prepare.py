@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
 
 from distune.trial_settings import TrialSettings
 from distune.worker_runtime.memory_cap import MemoryMeter
@@ -56,6 +57,16 @@ class Prepared:
     bf16: bool = False
     #: In a trial, what checks each step's micro-steps against the trial's accumulation.
     measurement: TrialMeasurement | None = field(default=None, repr=False, compare=False)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients to a total norm of ``max_norm`` over the whole model, as
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` does under DDP; returns the
+        total norm before clipping. Under ZeRO-2 and ZeRO-3 (FSDP) each rank holds a shard of
+        the gradients, and torch's function would clip each shard by its rank's own part of
+        the norm: FSDP's ``clip_grad_norm_`` reduces the norm over the ranks first."""
+        if isinstance(self.model, FullyShardedDataParallel):
+            return self.model.clip_grad_norm_(max_norm, norm_type)
+        return nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, norm_type)
 
     @contextlib.contextmanager
     def accumulate(self, micro_step: int) -> Iterator[None]:

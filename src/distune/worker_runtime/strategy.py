@@ -66,7 +66,8 @@ class Applied:
 
 
 def repeated_blocks(model: nn.Module) -> tuple[type[nn.Module], ...]:
-    """Classes of the model's repeated blocks: two or more of one class in a list of modules."""
+    """Classes of the model's repeated blocks: those of a ModuleList or Sequential of two or
+    more modules, all of one class (a mixed one, embedding, blocks, head, names none)."""
     classes: dict[type[nn.Module], None] = {}
     for module in model.modules():
         if isinstance(module, nn.ModuleList | nn.Sequential):
@@ -99,6 +100,19 @@ def _groups_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[
         options = {key: value for key, value in group.items() if key != "params"}
         groups.append({"names": [names[id(p)] for p in group["params"]], **options})
     return groups
+
+
+def _refuse_a_scheduler(optimizer: torch.optim.Optimizer, stage: int) -> None:
+    """A stage that rebuilds the optimizer leaves a learning-rate scheduler built on the
+    script's own optimizer stepping that one: the rebuilt optimizer's rate would never change.
+    torch's schedulers mark every group they take with ``initial_lr``."""
+    if any("initial_lr" in group for group in optimizer.param_groups):
+        raise StrategyError(
+            f"distune.prepare: a learning-rate scheduler was built on the optimizer before "
+            f"prepare; ZeRO stage {stage} rebuilds the optimizer, so the scheduler would "
+            "step the old one and the learning rate would never change: build the scheduler "
+            "on run.optimizer, after distune.prepare"
+        )
 
 
 def _constructor_options(optimizer: torch.optim.Optimizer) -> dict:
@@ -152,10 +166,12 @@ def apply(
     if (checkpointing or stage == 3) and not block_classes:
         raise StrategyError(
             f"{'activation checkpointing' if checkpointing else 'ZeRO-3'} needs repeated blocks "
-            "(two or more modules of one class in a ModuleList or Sequential), or pass "
+            "(a ModuleList or Sequential of two or more modules, all of one class), or pass "
             "blocks=(YourBlock,) to distune.prepare"
         )
     groups = _groups_by_name(model, optimizer)
+    if stage > 0:
+        _refuse_a_scheduler(optimizer, stage)
     if checkpointing:
         apply_activation_checkpointing(
             model,
@@ -196,4 +212,59 @@ def apply(
         if bf16
         else None,
     )
+    ShardedModuleGuard(wrapped, stage).install()
     return Applied(wrapped, _rebuild(optimizer, wrapped, groups))
+
+
+class ShardedModuleGuard:
+    """Under zero2 and zero3 ``run.model.module`` (FSDP's wrapped module) holds this rank's
+    flattened shards, not the model: the DDP idioms that reach for it (a rank-0 evaluation
+    through ``model.module``, ``torch.save(model.module.state_dict())``) would fail cryptically
+    ("mat2 must be a matrix") or, worse, save the shards as the model's weights. They raise
+    here, naming the way out; FSDP's own calls go through the root (``run.model``), which
+    this tells apart (forwards by a flag the root's hooks hold, state dicts by their prefix)."""
+
+    def __init__(self, root: FullyShardedDataParallel, stage: int) -> None:
+        self._root = root
+        self._stage = stage
+        self._in_root_forward = False
+
+    def install(self) -> None:
+        """Hook the root and its wrapped module."""
+        inner = self._root.module
+        self._root.register_forward_pre_hook(self._enter)
+        self._root.register_forward_hook(self._leave, always_call=True)
+        inner.register_forward_pre_hook(self._check_forward)
+        inner.register_state_dict_pre_hook(self._check_state_dict)
+        inner.register_load_state_dict_pre_hook(self._check_load)
+
+    def _enter(self, *_: Any) -> None:
+        self._in_root_forward = True
+
+    def _leave(self, *_: Any) -> None:
+        self._in_root_forward = False
+
+    def _refuse(self, instead: str) -> StrategyError:
+        return StrategyError(
+            f"distune.prepare: under ZeRO stage {self._stage} (FSDP) run.model.module holds "
+            f"this rank's flattened shards of the parameters, not the model: {instead}, or pin "
+            "zero_optimization.stage to 0 or 1 in the level-2 config"
+        )
+
+    def _check_forward(self, *_: Any) -> None:
+        if not self._in_root_forward:
+            raise self._refuse(
+                "run every forward through run.model, on every rank (an evaluation too: FSDP "
+                "gathers the parameters from all ranks)"
+            )
+
+    def _check_state_dict(self, _module: nn.Module, prefix: str, _keep_vars: bool) -> None:
+        if not prefix:  # called on run.model.module itself, not through the root
+            raise self._refuse(
+                "its state_dict() would be those shards; save run.model.state_dict() (FSDP "
+                "gathers the whole model: call it on every rank)"
+            )
+
+    def _check_load(self, _module: nn.Module, _state: Any, prefix: str, *_: Any) -> None:
+        if not prefix:
+            raise self._refuse("load a state dict with run.model.load_state_dict()")

@@ -124,6 +124,12 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(partial, path)
 
 
+def write_rank_outcome(trial_dir: Path, rank: int, outcome: str, **details: Any) -> None:
+    """Write how this rank's part of the trial ended (``ok``, ``oom``, ``crash``) where the
+    launcher collects every rank's, with ``details`` (the error, the peak memory)."""
+    write_json(trial_dir / f"rank{rank}.json", {"rank": rank, "outcome": outcome, **details})
+
+
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` (or what caused it) is an allocator running out of memory."""
     seen: BaseException | None = error
@@ -144,9 +150,7 @@ def install_failure_report(trial_dir: Path, rank: int) -> None:
         lines = "".join(traceback.format_exception(kind, error, tb)).splitlines()
         outcome = "oom" if is_out_of_memory(error) else "crash"
         tail = "\n".join(lines[-_TRACEBACK_TAIL_LINES:])
-        write_json(
-            trial_dir / f"rank{rank}.json", {"rank": rank, "outcome": outcome, "error": tail}
-        )
+        write_rank_outcome(trial_dir, rank, outcome, error=tail)
         previous(kind, error, tb)
 
     sys.excepthook = report
@@ -242,13 +246,11 @@ class TrialMeasurement:
         error = self.meter.out_of_memory()
         if error is None:
             return
-        write_json(
-            self.trial_dir / f"rank{self.rank}.json",
-            {
-                "rank": self.rank,
-                "outcome": "oom",
-                "error": f"{error} (the script caught the error and went on)",
-            },
+        write_rank_outcome(
+            self.trial_dir,
+            self.rank,
+            "oom",
+            error=f"{error} (the script caught the error and went on)",
         )
         sys.stdout.flush()
         sys.stderr.flush()
@@ -292,6 +294,13 @@ class TrialMeasurement:
         """A step must run the trial's accumulation steps: a script that loops over its own
         count (not ``run.gradient_accumulation_steps``) trains another global batch, and under
         fewer micro-steps than ``prepare`` set it never averages its gradients at all."""
+        if self._forwards == 0:
+            raise TrialStepError(
+                "distune trial: this optimizer step ran no training forward through run.model, "
+                "the model distune.prepare returned: a forward through the script's own model "
+                "(or run.model.module) leaves its gradients unaveraged, and the trial would "
+                "measure a job that never communicates; run the forwards as run.model(x)"
+            )
         wanted = self.accumulation
         if self._micro_steps:
             if self._micro_steps == list(range(wanted)):
@@ -363,10 +372,7 @@ class TrialMeasurement:
         step = statistics.median(durations)
         rates = sorted(self.samples_per_step / d for d in durations)
         quartiles = statistics.quantiles(rates, n=4) if len(rates) >= 2 else [rates[0]] * 3
-        write_json(
-            self.trial_dir / f"rank{self.rank}.json",
-            {"rank": self.rank, "outcome": "ok", "peak_memory_bytes": local_peak},
-        )
+        write_rank_outcome(self.trial_dir, self.rank, "ok", peak_memory_bytes=local_peak)
         if self.rank == 0:
             result = {
                 "outcome": "ok",
@@ -402,20 +408,32 @@ def wrapped_model_facts(module: nn.Module) -> dict[str, int]:
     }
 
 
-def _samples(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
-    """The batch size of a forward: the first input tensor's first dimension."""
-    for leaf in tree_leaves((inputs, kwargs)):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    return None
+def _batch_sizes(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
+    """What a forward's batch size may be, the usual reading first: the first input tensor's
+    first dimension; then its other dimensions (a sequence-first model, an LSTM or a
+    ``batch_first=False`` transformer, takes ``(time, batch, ...)``) and the length of a list
+    of tensors given as an argument (a detection model takes a list of images)."""
+    first = next(
+        (t for t in tree_leaves((inputs, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0),
+        None,
+    )
+    if first is None:
+        return ()
+    lists = [
+        len(arg)
+        for arg in (*inputs, *kwargs.values())
+        if isinstance(arg, (list, tuple)) and arg and all(isinstance(t, torch.Tensor) for t in arg)
+    ]
+    return (*first.shape, *lists)
 
 
 class WrapperMeasurement(TrialMeasurement):
     """A trial measured through ``distune.DistributedDataParallel`` (no ``distune.prepare``).
 
     A step ends with each synchronised backward. The micro-batch is the batch size of the
-    wrapper's forwards (the first input tensor's first dimension), the accumulation steps
-    the forwards of a step; where the launcher set them (through ``arg_mappings``), a script
+    wrapper's forwards (where the launcher told it, any dimension of the input that holds it;
+    else the first input tensor's first), the accumulation steps the forwards of a step;
+    where the launcher set them (through ``arg_mappings``), a script
     that runs something else ends the trial as a crash saying so, rather than be measured as
     what it is not.
     """
@@ -443,7 +461,8 @@ class WrapperMeasurement(TrialMeasurement):
         self._check_micro_batch = False  # learned from the forwards, and checked there
         self._settings = settings
         self._params = params
-        self._forward_samples: int | None = None
+        #: What the first training forward's batch size may be (``_batch_sizes``).
+        self._forward_sizes: tuple[int, ...] | None = None
         self.accumulation = 0
 
     def attach_wrapper(self, wrapper: nn.Module, reducer: Reducer) -> None:
@@ -459,8 +478,8 @@ class WrapperMeasurement(TrialMeasurement):
         reducer.on_iteration = on_iteration
 
     def _learn_samples(self, module: nn.Module, inputs: tuple[Any, ...], kwargs: Any) -> None:
-        if torch.is_grad_enabled() and module.training and self._forward_samples is None:
-            self._forward_samples = _samples(inputs, kwargs)
+        if torch.is_grad_enabled() and module.training and self._forward_sizes is None:
+            self._forward_sizes = _batch_sizes(inputs, kwargs)
 
     def _check_step(self) -> None:
         if self._steps == 0:
@@ -472,14 +491,17 @@ class WrapperMeasurement(TrialMeasurement):
             )
 
     def _learn_step(self) -> None:
-        micro = self._forward_samples
-        if micro is None:
+        sizes = self._forward_sizes
+        if not sizes:
             raise TrialStepError(
                 "distune trial: no tensor among the model's inputs tells the batch size; "
                 "use distune.prepare, which is told the micro-batch"
             )
         wanted = self._settings.micro_batch
         accumulation = self._settings.accumulation
+        # Told the micro-batch (a trial's, or the script's own flag in the profile), any
+        # dimension of the input may hold it; untold, the first is read.
+        micro = sizes[0] if wanted is None or wanted not in sizes else wanted
         if wanted is not None and micro != wanted:
             raise TrialStepError(
                 f"distune trial: train_micro_batch_size_per_gpu={wanted} ({MICRO_BATCH}), but "

@@ -16,8 +16,8 @@ from distune.launcher.level2 import (
 )
 from distune.launcher.main import main
 from distune.launcher.options import parse, trial_pins
-from distune.launcher.trial_args import rewrite_script_args
-from distune.launcher.trial_runner import classify
+from distune.launcher.trial_args import rewrite_script_args, script_batch
+from distune.launcher.trial_runner import classify, stalled
 from distune.tuning_service.trials.trial_config import TrialConfig, TrialPins
 from distune.tuning_service.trials.trial_result import TrialResult
 
@@ -59,6 +59,13 @@ def test_a_crash_carries_the_failing_ranks_traceback_tail() -> None:
     assert error == "ValueError: bad"
 
 
+def test_a_timed_out_trial_says_how_far_it_got_and_names_the_flag() -> None:
+    flag = "; --autotune_trial_timeout gives steps more time"
+    assert stalled({"steps": 3}, 120.0).startswith("no step finished for 120 s after step 3: ")
+    assert stalled(None, 2.5).startswith("no step finished for 2.5 s before the first step: ")
+    assert stalled({"steps": 3}, 120.0).endswith(flag)
+
+
 def test_mapped_flags_are_rewritten_in_both_spellings() -> None:
     pins = TrialPins(
         arg_mappings=(
@@ -78,6 +85,26 @@ def test_mapped_flags_are_rewritten_in_both_spellings() -> None:
         "8",
     ]
     assert rewrite_script_args(args, TrialPins(), 8, 1) == args  # unmapped: left alone
+
+
+def test_the_profile_is_told_the_batch_the_scripts_own_mapped_flags_give() -> None:
+    mapped = (
+        ("gradient_accumulation_steps", "--accum"),
+        ("train_micro_batch_size_per_gpu", "--bs"),
+    )
+    # The last occurrence wins, as with argparse; both spellings.
+    own = script_batch(
+        ["--bs", "4", "--accum=2", "--bs=20", "--steps", "3"], TrialPins(arg_mappings=mapped)
+    )
+    assert (own.micro_batch, own.accumulation) == (20, 2)
+    # A pin wins; a flag the arguments leave to the script's default, or give no count, is untold.
+    pinned = TrialPins(micro_batch=8, arg_mappings=mapped)
+    assert script_batch(["--bs", "4", "--accum", "x"], pinned).micro_batch == 8
+    assert script_batch(["--bs", "4", "--accum", "x"], pinned).accumulation is None
+    assert (
+        script_batch(["--steps", "3", "--bs"], TrialPins(arg_mappings=mapped)).micro_batch is None
+    )
+    assert script_batch(["--bs", "4"], TrialPins()) == TrialPins()  # unmapped: nothing told
 
 
 def test_the_best_command_keeps_torchrun_flags_and_turns_tuning_off() -> None:
@@ -401,6 +428,30 @@ def test_a_model_without_repeated_blocks_is_not_tried_with_zero3_or_checkpointin
     # What the user pins stays pinned (a pinned ZeRO-3 without blocks crashes naming them).
     pinned = trial_space(TrialPins(stage=3, checkpointing=True), 2, own, flat, False)
     assert (pinned.stages(), pinned.checkpointing()) == ((3,), (True,))
+
+
+def test_the_no_blocks_notice_names_only_the_knobs_the_missing_blocks_took_out() -> None:
+    from distune.launcher.level2 import no_blocks_notice, trial_space
+    from distune.tuning_service.trials.trial_config import TrialConfig
+
+    own = TrialConfig(2, 4, 0, False)
+    flat = {"api": "prepare", "repeated_block_classes": 0}
+
+    def untried(pins: TrialPins, facts: dict[str, object]) -> tuple[str, ...]:
+        return trial_space(pins, 2, own, facts, False).untried_for_want_of_blocks()
+
+    assert untried(TrialPins(), flat) == ("ZeRO-3", "activation checkpointing")
+    assert untried(TrialPins(stage=1), flat) == ("activation checkpointing",)
+    assert untried(TrialPins(checkpointing=False), flat) == ("ZeRO-3",)
+    # Nothing lost: both pinned, blocks found, or the wrapper path (DDP, no checkpointing).
+    assert untried(TrialPins(stage=2, checkpointing=False), flat) == ()
+    assert untried(TrialPins(), {**flat, "repeated_block_classes": 2}) == ()
+    mapped = TrialPins(arg_mappings=(("train_micro_batch_size_per_gpu", "--batch-size"),))
+    assert untried(mapped, {**flat, "api": "wrapper"}) == ()
+    assert "so ZeRO-3 are" not in no_blocks_notice(("ZeRO-3",))
+    assert "so activation checkpointing is not tried" in no_blocks_notice(
+        ("activation checkpointing",)
+    )
 
 
 def test_a_best_config_in_bf16_reaches_the_ranks_and_auto_profiles_in_full_precision(

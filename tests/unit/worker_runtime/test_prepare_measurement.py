@@ -20,6 +20,7 @@ from torch import nn
 import distune
 from distune.trial_settings import ACCUMULATION, MICRO_BATCH, TRIAL_DIR
 from distune.worker_runtime.prepare import Prepared
+from distune.worker_runtime.strategy import StrategyError
 from distune.worker_runtime.trial_measurement import TrialStepError
 
 
@@ -72,6 +73,17 @@ def test_a_script_looping_over_its_own_accumulation_crashes_naming_the_trials(tr
 def test_without_run_accumulate_a_step_of_too_few_forwards_crashes(trial_run):
     with pytest.raises(TrialStepError, match="this optimizer step ran 2 training forward"):
         step(trial_run, 1, through_accumulate=False)
+
+
+def test_a_step_whose_forwards_bypass_run_model_crashes_rather_than_measure_no_allreduce(
+    trial_run,
+):
+    bare = trial_run.model.module  # the script's own model: its gradients stay local
+    for i in range(4):
+        with trial_run.accumulate(i):
+            bare(torch.randn(2, 16)).sum().backward()
+    with pytest.raises(TrialStepError, match=r"ran no training forward through run\.model"):
+        trial_run.optimizer.step()
 
 
 @pytest.mark.parametrize("through_accumulate", [True, False])
@@ -150,3 +162,61 @@ def test_a_step_a_gradient_scaler_skips_is_an_iteration_not_a_wrong_accumulation
     step(trial_run, 4, through_accumulate=True)  # then one the optimizer takes
     # Each skipped iteration was a step of its own, ended as the next began.
     assert json.loads((Path(os.environ[TRIAL_DIR]) / "progress").read_text()) == {"steps": 4}
+
+
+@pytest.mark.parametrize("stage", ["0", "1"])
+def test_a_scheduler_built_before_prepare_is_refused_where_the_optimizer_is_rebuilt(
+    stage, monkeypatch
+):
+    monkeypatch.setenv("DISTUNE_ZERO_STAGE", stage)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)
+        early = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+        if stage == "1":  # the scheduler would step the old optimizer: the rate stays 1.0
+            with pytest.raises(StrategyError, match=r"build the scheduler on run\.optimizer"):
+                distune.prepare(model, optimizer, micro_batch_size=2)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)
+        run = distune.prepare(model, optimizer, micro_batch_size=2)
+        scheduler = (
+            early
+            if stage == "0"
+            else torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda step: 0.5**step)
+        )
+        for _ in range(3):
+            run.model(torch.randn(2, 4)).sum().backward()
+            run.optimizer.step()
+            run.optimizer.zero_grad()
+            scheduler.step()
+        assert run.optimizer.param_groups[0]["lr"] == 0.125
+    finally:
+        dist.destroy_process_group()
+
+
+def test_under_fsdp_the_ddp_idioms_through_model_module_raise_naming_run_model(monkeypatch):
+    # With 2 ranks run.model.module's state_dict() held each rank's flattened shards (an
+    # 'inp.weight' of shape (81,) for (16, 8)): torch.save of it, DDP's rank-0 idiom, saved
+    # no model; a rank-0 evaluation through it failed with "mat2 must be a matrix".
+    monkeypatch.setenv("DISTUNE_ZERO_STAGE", "2")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        run = distune.prepare(model, torch.optim.SGD(model.parameters()), micro_batch_size=2)
+        run.model(torch.randn(2, 4)).sum().backward()  # through the root: fine
+        state = run.model.state_dict()
+        run.model.load_state_dict(state)
+        for misuse in (
+            lambda: run.model.module(torch.randn(2, 4)),
+            lambda: run.model.module.state_dict(),
+            lambda: run.model.module.load_state_dict(state),
+        ):
+            with pytest.raises(
+                StrategyError, match=r"under ZeRO stage 2 \(FSDP\) run\.model\.module"
+            ):
+                misuse()
+        run.model.eval()
+        with torch.no_grad():
+            assert run.model(torch.randn(3, 4)).shape == (3, 4)  # the root still runs
+    finally:
+        dist.destroy_process_group()

@@ -244,3 +244,54 @@ def test_an_out_of_memory_error_the_script_catches_ends_the_trial_as_oom(tmp_pat
     assert report["error"].startswith("distune device memory cap: ")
     assert report["error"].endswith("(the script caught the error and went on)")
     assert not (tmp_path / "trial" / "result.json").exists()
+
+
+# Inputs whose first dimension is not the batch: an LSTM's (time, batch, features) with its
+# hidden state (torch's word_language_model), and a detection model's list of images.
+LAYOUTS = textwrap.dedent(
+    """
+    import sys
+    import torch, torch.distributed as dist
+    from torch import nn
+    import distune
+
+    class SequenceFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.out = nn.LSTM(8, 16), nn.Linear(16, 8)
+
+        def forward(self, x, hidden):
+            return self.out(self.rnn(x, hidden)[0])
+
+    class Images(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+
+        def forward(self, images):
+            return self.conv(torch.stack(images))
+
+    micro, layout = int(sys.argv[1]), sys.argv[3]
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    model = distune.DistributedDataParallel(SequenceFirst() if layout == "seq" else Images())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(100):
+        optimizer.zero_grad()
+        if layout == "seq":  # 7 time steps of micro sequences
+            hidden = (torch.zeros(1, micro, 16), torch.zeros(1, micro, 16))
+            model(torch.randn(7, micro, 8), hidden).pow(2).mean().backward()
+        else:  # micro images of 3 channels
+            model([torch.randn(3, 6, 6) for _ in range(micro)]).pow(2).mean().backward()
+        optimizer.step()
+    sys.exit(3)
+    """
+)
+
+
+@pytest.mark.parametrize("layout", ["seq", "list"])
+def test_a_micro_batch_the_trial_sets_is_found_in_any_dimension_of_the_input(tmp_path, layout):
+    done = trial(tmp_path, 5, 1, LAYOUTS, (layout,), DISTUNE_MICRO_BATCH="5")
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((tmp_path / "trial" / "result.json").read_text())
+    assert result["config"]["micro_batch"] == 5  # not 7 time steps, nor 3 channels
+    assert result["throughput"] == pytest.approx(5 / result["step_seconds"])
