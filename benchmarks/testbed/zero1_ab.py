@@ -23,18 +23,11 @@ from pathlib import Path
 
 from scipy import stats
 
-from distune.tuning_service.trials.trial_config import STRATEGY_NAMES
+from distune.tuning_service.trials.trial_config import TrialConfig
 
 _RUN = re.compile(r"^r(?P<round>\d+)-v(?P<variant>[01])$")
 #: A run's throughputs (samples/s) and peak memory (bytes) by configuration name.
 Run = dict[str, tuple[float, int]]
-
-
-def configuration_name(config: Sequence[object]) -> str:
-    """``zero1 4x8`` (``:ckpt`` when checkpointed) from a grid row's configuration."""
-    micro, accumulation, stage, checkpointing = config[:4]
-    name = f"{STRATEGY_NAMES[int(str(stage))]} {micro}x{accumulation}"
-    return name + (":ckpt" if checkpointing else "")
 
 
 def read_runs(root: Path) -> dict[tuple[int, int], Run]:
@@ -46,7 +39,7 @@ def read_runs(root: Path) -> dict[tuple[int, int], Run]:
             continue
         table = json.loads(grid.read_text(encoding="utf-8"))
         runs[(int(match["round"]), int(match["variant"]))] = {
-            configuration_name(row["config"]): (row["throughput"], row["peak_memory_bytes"])
+            TrialConfig(*row["config"]).describe(): (row["throughput"], row["peak_memory_bytes"])
             for row in table["rows"]
             if row["outcome"] == "ok"
         }
@@ -90,7 +83,7 @@ def compare(runs: dict[tuple[int, int], Run]) -> list[str]:
             f"{n}: bucket / stock {mean:.3f} (95 % {low:.3f}-{high:.3f}), n = {len(ratios)}, "
             f"Wilcoxon p = {wilcoxon:.4f}"
         )
-    controls = [n for n in names if n.startswith("ddp") and ":" not in n]
+    controls = [n for n in names if n.startswith("ddp") and "checkpointing" not in n]
     for control in controls[:1]:
         for n in (n for n in names if n.startswith("zero1")):
             for variant, label in ((0, "stock"), (1, "bucket view")):

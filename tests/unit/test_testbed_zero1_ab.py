@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from benchmarks.testbed.zero1_ab import compare, geometric_interval, read_runs
 
+DDP, ZERO1 = "ddp, micro-batch 2 x 4", "zero1, micro-batch 2 x 4"
+
 
 def _run(root: Path, name: str, rows: dict[tuple, float]) -> None:
     (root / name).mkdir()
@@ -28,13 +30,12 @@ def test_rounds_pair_the_variants_and_an_unfinished_round_is_left_out(tmp_path: 
         _run(tmp_path, f"r{r:02d}-v1", {ddp: 100.0, zero1: bucket})
     _run(tmp_path, "r04-v0", {ddp: 100.0, zero1: 1.0})  # its bucket-view run never finished
     runs = read_runs(tmp_path)
-    assert runs[(1, 0)] == {"ddp 2x4": (100.0, 7), "zero1 2x4": (50.0, 7)}  # no oom row
+    assert runs[(1, 0)] == {DDP: (100.0, 7), ZERO1: (50.0, 7)}  # no oom row
     lines = compare(runs)
-    assert "zero1 2x4: bucket / stock 1.100 (95 % 1.100-1.100), n = 3" in "\n".join(lines)
-    assert "ddp 2x4: bucket / stock 1.000" in "\n".join(lines)
+    assert f"{ZERO1}: bucket / stock 1.100 (95 % 1.100-1.100), n = 3" in "\n".join(lines)
+    assert f"{DDP}: bucket / stock 1.000" in "\n".join(lines)
     assert any(
-        line.startswith("zero1 2x4 / ddp 2x4 in the same run, stock: median 0.500")
-        for line in lines
+        line.startswith(f"{ZERO1} / {DDP} in the same run, stock: median 0.500") for line in lines
     )
 
 
