@@ -5,7 +5,7 @@
     .venv/bin/python -m benchmarks.level2_policies level2 [--testbed ...] OUT_DIR/grid.json \\
         -- DISTUNE_RUN_ARGS...
     .venv/bin/python -m benchmarks.level2_policies replay [--cap-mib N] [--first-pass N] GRID
-    .venv/bin/python -m benchmarks.level2_policies memory OUT_DIR/grid.json
+    .venv/bin/python -m benchmarks.level2_policies memory [--cap-mib N] GRID [GRID ...]
     .venv/bin/python -m benchmarks.level2_policies noise OUT_DIR/grid.json
     .venv/bin/python -m benchmarks.level2_policies report OUT_DIR/grid.json
 
@@ -15,11 +15,12 @@ between passes (after the only pass if there is one), so all of it is measured s
 with ``--testbed RATE`` every trial and the level-2 run are multi-node jobs on the shaped
 testbed (needs root). ``level2`` adds a later real level-2 run to a measured grid. ``replay``
 runs every policy against the grid and prints the comparison as a Markdown table; ``memory``
-prints the memory model's prediction error on the grid's configurations; ``noise`` how much a
-configuration's passes differ; ``report`` everything the issue's bar asks of the grid (the
-comparison on the passes' mean and on each single pass, the noise, the load averages, and each
-real run's verdict), which ``measure`` and ``level2`` print at the end. ``measure --only
-zero3:16x1 ...`` measures only the named configurations (a noise check).
+prints the memory model's prediction error on the grid's configurations (with several grids,
+by strategy over all of them; ``--cap-mib`` replays each as if under a smaller cap);
+``noise`` how much a configuration's passes differ; ``report`` everything the issue's bar asks
+of the grid (the comparison on the passes' mean and on each single pass, the noise, the load
+averages, and each real run's verdict), which ``measure`` and ``level2`` print at the end.
+``measure --only zero3:16x1 ...`` measures only the named configurations (a noise check).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from benchmarks.level2_policies.grid import (
     parse_config,
 )
 from benchmarks.level2_policies.level2_run import level2_argv, run_level2_local, summarize
-from benchmarks.level2_policies.memory_error import error_summary
+from benchmarks.level2_policies.memory_error import error_report, error_summary
 from benchmarks.level2_policies.noise import noise_table
 from benchmarks.level2_policies.policies import compare_table, table_at_cap
 from benchmarks.level2_policies.report import report
@@ -112,8 +113,14 @@ def _parser() -> argparse.ArgumentParser:
         help="policies see single passes (first measurements pass N, re-measures the next) "
         "instead of the passes' mean",
     )
-    memory = commands.add_parser("memory", help="the memory model's error on a grid")
-    memory.add_argument("grid", type=Path)
+    memory = commands.add_parser("memory", help="the memory model's error on grids")
+    memory.add_argument("grids", type=Path, nargs="+")
+    memory.add_argument(
+        "--cap-mib",
+        type=int,
+        default=None,
+        help="as if every grid ran under this smaller cap (MiB; peaks over it are oom)",
+    )
     noise = commands.add_parser("noise", help="how much the grid's passes differ")
     noise.add_argument("grid", type=Path)
     everything = commands.add_parser("report", help="every figure of the bar, and its verdict")
@@ -176,20 +183,32 @@ class _Host:
         return {**summary, "load_average": [before, load_average()]}
 
 
+def _at_cap(table: dict[str, Any], cap_mib: int | None) -> dict[str, Any]:
+    """``table`` as if under ``cap_mib`` (unchanged if None), or exit saying why not."""
+    if cap_mib is None:
+        return table
+    try:
+        return table_at_cap(table, cap_mib * 2**20)
+    except ValueError as error:
+        raise SystemExit(f"--cap-mib {cap_mib}: {error}") from None
+
+
 def main() -> None:
     args = _parser().parse_args()
-    if args.command in ("replay", "memory", "noise", "report"):
+    if args.command == "memory":
+        tables = [
+            _at_cap(json.loads(path.read_text(encoding="utf-8")), args.cap_mib)
+            for path in args.grids
+        ]
+        print(error_summary(tables[0]) if len(tables) == 1 else error_report(tables))
+        return
+    if args.command in ("replay", "noise", "report"):
         table = json.loads(args.grid.read_text(encoding="utf-8"))
         if args.command != "replay":
-            shown = {"memory": error_summary, "noise": noise_table, "report": report}
+            shown = {"noise": noise_table, "report": report}
             print(shown[args.command](table))
             return
-        if args.cap_mib is not None:
-            try:
-                table = table_at_cap(table, args.cap_mib * 2**20)
-            except ValueError as error:
-                raise SystemExit(f"--cap-mib {args.cap_mib}: {error}") from None
-        print(compare_table(table, args.first_pass))
+        print(compare_table(_at_cap(table, args.cap_mib), args.first_pass))
         return
     argv = [a for a in args.launcher_argv if a != "--"]
     if args.command == "measure":

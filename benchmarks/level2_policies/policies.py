@@ -14,7 +14,7 @@ A policy's time is the sum of the measured durations of the trials it ran.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from distune.tuning_service.trials.memory_model import MemoryModel, ModelFacts
@@ -35,6 +35,8 @@ class Choice:
     chosen: TrialConfig | None
     trials: int
     seconds: float
+    #: The trials it ran, the profile first (with the memory predicted for each, where known).
+    results: tuple[TrialResult, ...] = ()
 
 
 class Grid:
@@ -98,9 +100,12 @@ class _Ledger:
         self.grid = grid
         self.results = [grid.result(grid.profile, 0, "profile")]
 
-    def run(self, config: TrialConfig, purpose: str = "search") -> TrialResult:
+    def run(
+        self, config: TrialConfig, purpose: str = "search", predicted: int | None = None
+    ) -> TrialResult:
         earlier = sum(r.config == config for r in self.results[1:])
         result = self.grid.result(config, len(self.results), purpose, earlier)
+        result = replace(result, predicted_memory_bytes=predicted)
         self.results.append(result)
         return result
 
@@ -114,8 +119,16 @@ def distune_policy(grid: Grid, max_trials: int = 20) -> Choice:
     ledger = _Ledger(grid)
     search.record(ledger.results[0])
     while (proposal := search.next_trial()) is not None:
-        search.record(ledger.run(proposal.config, proposal.purpose))
-    return Choice("distune (replayed)", search.best(), len(ledger.results), ledger.seconds())
+        search.record(
+            ledger.run(proposal.config, proposal.purpose, proposal.predicted_memory_bytes)
+        )
+    return Choice(
+        "distune (replayed)",
+        search.best(),
+        len(ledger.results),
+        ledger.seconds(),
+        tuple(ledger.results),
+    )
 
 
 def deepspeed_policy(grid: Grid) -> Choice:

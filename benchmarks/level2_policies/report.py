@@ -68,7 +68,7 @@ def _priced(seconds: float | None, deepspeed_seconds: float) -> str:
     )
 
 
-def _single_passes(table: dict[str, Any]) -> list[int]:
+def single_passes(table: dict[str, Any]) -> list[int]:
     """The passes a single-pass replay can start from (none for a one-pass grid)."""
     passes = int(table.get("passes", 1))
     return list(range(passes)) if passes > 1 else []
@@ -95,7 +95,7 @@ def verdict(table: dict[str, Any]) -> str:
     grid = Grid(table)
     top = grid.throughput(grid.best())
     deepspeed, hand = deepspeed_policy(grid), hand_tuning_policy(grid)
-    singles = [deepspeed_policy(Grid(table, n)) for n in _single_passes(table)]
+    singles = [deepspeed_policy(Grid(table, n)) for n in single_passes(table)]
     single_trials = ", ".join(f"{c.trials}" for c in singles)
     single_seconds = ", ".join(f"{c.seconds:.0f}" for c in singles)
     of_single = f" (single passes: {single_trials})" if singles else ""
@@ -142,7 +142,7 @@ def report(table: dict[str, Any]) -> str:
         "Policies replayed on the mean of the passes; real level-2 runs with their own trials:",
         compare_table(table),
     ]
-    for first in _single_passes(table):
+    for first in single_passes(table):
         sections += [
             f"Replayed on single passes (first measurements from pass {first + 1}):",
             compare_table(table, first),

@@ -14,6 +14,7 @@ import pytest
 import torch
 from ddp_launch import run_job, worker_main
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import distune
 from distune.trial_settings import (
@@ -24,11 +25,13 @@ from distune.trial_settings import (
     MICRO_BATCH,
     ZERO_STAGE,
 )
+from distune.worker_runtime.strategy import apply
 
 pytestmark = pytest.mark.slow
 SCENARIOS = {}
 STEPS = 3
 PER_RANK = 4  # samples per rank per optimizer step
+STOCK_ZERO1 = "zero1 against torch's stock zero1"
 
 
 def scenario(fn):
@@ -113,11 +116,12 @@ def strategies_train_the_same_model(out: Path) -> dict:
         (3, True, 1),
         (0, True, 4),
     ]
-    losses = {f"{s}/{c}/{m}": train(s, c, m) for s, c, m in configs}
+    losses: dict = {f"{s}/{c}/{m}": train(s, c, m) for s, c, m in configs}
     # Clipped well below the gradients' norm: a rank clipping its shard by its own part of the
     # norm (torch's clip_grad_norm_ under FSDP) would train another model.
     clipped = [(0, False, 4), (1, False, 2), (2, False, 4), (3, False, 2)]
-    return {**losses, **{f"clip {s}/{c}/{m}": train(s, c, m, clip=0.01) for s, c, m in clipped}}
+    losses.update({f"clip {s}/{c}/{m}": train(s, c, m, clip=0.01) for s, c, m in clipped})
+    return {**losses, STOCK_ZERO1: zero1_against_stock_zero1()}
 
 
 @scenario
@@ -125,6 +129,43 @@ def bf16_strategies_train_the_same_model(out: Path) -> dict:
     configs = [(0, False, 4), (0, False, 1), (1, False, 2), (2, False, 4), (3, False, 2)]
     losses = {f"{s}/{c}/{m}": train(s, c, m, bf16=True) for s, c, m in configs}
     return {**losses, "fp32": train(0, False, 4)}
+
+
+def zero1_against_stock_zero1() -> dict[str, bool]:
+    """Parameters after STEPS steps of distune's zero1 and of torch's ``ZeroRedundancyOptimizer``
+    at its defaults over the same DDP: the construction may change how the shards travel,
+    never the values."""
+    rank = torch.distributed.get_rank()
+    cpu = torch.device("cpu")
+
+    def trained(stock: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = Net()
+        first = [p.detach().clone() for p in model.parameters()]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        applied = apply(model, optimizer, 0 if stock else 1, False, cpu, name=f"z{int(stock)}")
+        zero = (
+            ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+            if stock
+            else applied.optimizer
+        )
+        data = torch.Generator().manual_seed(100 + rank)
+        for _ in range(STEPS):
+            x, y = (
+                torch.randn(PER_RANK, 8, generator=data),
+                torch.randn(PER_RANK, 1, generator=data),
+            )
+            nn.functional.mse_loss(applied.model(x), y).backward()
+            zero.step()
+            zero.zero_grad()
+        return first, [p.detach().clone() for p in model.parameters()]
+
+    first, ours = trained(stock=False)
+    _, stock = trained(stock=True)
+    return {
+        "equal": all(torch.equal(a, b) for a, b in zip(ours, stock, strict=True)),
+        "trained": all(not torch.equal(a, b) for a, b in zip(ours, first, strict=True)),
+    }
 
 
 @scenario
@@ -147,6 +188,8 @@ def memory_cap_raises_out_of_memory(out: Path) -> dict:
 def test_every_strategy_gives_ddps_losses_at_the_same_global_batch(tmp_path):
     results = run_job(__file__, "strategies_train_the_same_model", tmp_path, timeout=180)
     for rank_result in results:
+        # zero1's parameters are torch's stock zero1's, bit for bit, whatever its broadcast.
+        assert rank_result.pop(STOCK_ZERO1) == {"equal": True, "trained": True}
         # Each rank's losses are on its own data: compare within the rank.
         for config, losses in rank_result.items():
             reference = rank_result["clip 0/False/4" if "clip" in config else "0/False/4"]

@@ -7,6 +7,12 @@ from pathlib import Path
 import pytest
 from benchmarks.level2_policies.grid import merge_passes, parse_config
 from benchmarks.level2_policies.level2_run import level2_argv
+from benchmarks.level2_policies.memory_error import (
+    error_report,
+    profile_errors,
+    replayed_errors,
+    second_point_errors,
+)
 from benchmarks.level2_policies.noise import noise_table
 from benchmarks.level2_policies.policies import (
     Grid,
@@ -235,3 +241,19 @@ def test_faster_than_hand_tuning_only_beyond_the_noise_between_two_runs() -> Non
     best = Grid(measured).best()
     measured["level2_runs"] = [{"trials": 3, "seconds": 1.0, "chosen": list(vars(best).values())}]
     assert "0.99 of the best: met" in verdict(measured)
+
+
+def test_memory_errors_show_a_second_micro_batch_correcting_a_short_profile_slope() -> None:
+    short = table()
+    short["facts"]["activation_bytes_per_sample"] = 9 * MiB  # the grid grows 10 MiB a sample
+
+    def zero1_under(errors: list) -> float:
+        return min(
+            e for c, e in errors if c.stage == 1 and not c.checkpointing and c.accumulation > 1
+        )
+
+    assert zero1_under(profile_errors(short)) < -0.02  # 6 MiB short at 8 x 2
+    assert zero1_under(second_point_errors(short)) == pytest.approx(0.0, abs=1e-6)
+    launched = replayed_errors(short)
+    assert launched and all(e is None or e > -0.2 for _, e in launched)
+    assert "| zero1 |" in error_report([short, table()])

@@ -74,13 +74,17 @@ _TAKING_PART = (
 )
 
 
-#: Said where the profile found no repeated blocks (a ModuleList or Sequential of two or more
-#: modules, all of one class), which ZeRO-3 and activation checkpointing wrap.
-NO_BLOCKS = (
-    "the model has no repeated blocks (a ModuleList or Sequential of two or more modules, all "
-    "of one class): ZeRO-3 and activation checkpointing are not tried; pass blocks=(YourBlock,) "
-    "to distune.prepare to try them"
-)
+def no_blocks_notice(untried: tuple[str, ...]) -> str:
+    """Said where the profile found no repeated blocks (a ModuleList or Sequential of two or
+    more modules, all of one class), which ZeRO-3 and activation checkpointing wrap, and that
+    took ``untried`` knobs out of the search."""
+    verb, them = ("are", "them") if len(untried) > 1 else ("is", "it")
+    return (
+        "the model has no repeated blocks (a ModuleList or Sequential of two or more modules, "
+        f"all of one class), so {' and '.join(untried)} {verb} not tried; pass blocks=(YourBlock,) "
+        f"to distune.prepare to try {them}"
+    )
+
 
 #: Seconds node 0 waits for the other nodes' reports beyond the trial time-out (their own
 #: watchdogs fire within the time-out, and stopping takes a few seconds more).
@@ -639,8 +643,9 @@ class Level2:
             )
         except TrialConfigError as error:
             raise OptionError(f"--autotune_level 2: {error}") from None
-        if not space.repeated_blocks:
-            self._say(NO_BLOCKS)
+        untried = space.untried_for_want_of_blocks()
+        if untried:
+            self._say(no_blocks_notice(untried))
         if profile.facts.get("api") == WRAPPER_API:
             self._say(
                 "the script is measured through distune.DistributedDataParallel (it never calls "

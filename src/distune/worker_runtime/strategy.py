@@ -187,9 +187,13 @@ def apply(
         wrapped: nn.Module = DistributedDataParallel(model, name=name, device_ids=device_ids)
         if stage == 0:
             return Applied(wrapped, optimizer)
+        # Each rank's updated shard is broadcast as one tensor, not a parameter at a time (the
+        # same values): one-by-one, every rank's shard crosses the link in turn, 2.25 x its
+        # line-rate time at 1 gbit/s (BENCHMARKS.md, "zero1's broadcast on the testbed").
         zero = ZeroRedundancyOptimizer(
             [dict(group) for group in optimizer.param_groups],
             optimizer_class=type(optimizer),
+            parameters_as_bucket_view=True,
             **_constructor_options(optimizer),
         )
         return Applied(wrapped, zero)

@@ -124,6 +124,12 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(partial, path)
 
 
+def write_rank_outcome(trial_dir: Path, rank: int, outcome: str, **details: Any) -> None:
+    """Write how this rank's part of the trial ended (``ok``, ``oom``, ``crash``) where the
+    launcher collects every rank's, with ``details`` (the error, the peak memory)."""
+    write_json(trial_dir / f"rank{rank}.json", {"rank": rank, "outcome": outcome, **details})
+
+
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` (or what caused it) is an allocator running out of memory."""
     seen: BaseException | None = error
@@ -144,9 +150,7 @@ def install_failure_report(trial_dir: Path, rank: int) -> None:
         lines = "".join(traceback.format_exception(kind, error, tb)).splitlines()
         outcome = "oom" if is_out_of_memory(error) else "crash"
         tail = "\n".join(lines[-_TRACEBACK_TAIL_LINES:])
-        write_json(
-            trial_dir / f"rank{rank}.json", {"rank": rank, "outcome": outcome, "error": tail}
-        )
+        write_rank_outcome(trial_dir, rank, outcome, error=tail)
         previous(kind, error, tb)
 
     sys.excepthook = report
@@ -242,13 +246,11 @@ class TrialMeasurement:
         error = self.meter.out_of_memory()
         if error is None:
             return
-        write_json(
-            self.trial_dir / f"rank{self.rank}.json",
-            {
-                "rank": self.rank,
-                "outcome": "oom",
-                "error": f"{error} (the script caught the error and went on)",
-            },
+        write_rank_outcome(
+            self.trial_dir,
+            self.rank,
+            "oom",
+            error=f"{error} (the script caught the error and went on)",
         )
         sys.stdout.flush()
         sys.stderr.flush()
@@ -370,10 +372,7 @@ class TrialMeasurement:
         step = statistics.median(durations)
         rates = sorted(self.samples_per_step / d for d in durations)
         quartiles = statistics.quantiles(rates, n=4) if len(rates) >= 2 else [rates[0]] * 3
-        write_json(
-            self.trial_dir / f"rank{self.rank}.json",
-            {"rank": self.rank, "outcome": "ok", "peak_memory_bytes": local_peak},
-        )
+        write_rank_outcome(self.trial_dir, self.rank, "ok", peak_memory_bytes=local_peak)
         if self.rank == 0:
             result = {
                 "outcome": "ok",

@@ -430,6 +430,30 @@ def test_a_model_without_repeated_blocks_is_not_tried_with_zero3_or_checkpointin
     assert (pinned.stages(), pinned.checkpointing()) == ((3,), (True,))
 
 
+def test_the_no_blocks_notice_names_only_the_knobs_the_missing_blocks_took_out() -> None:
+    from distune.launcher.level2 import no_blocks_notice, trial_space
+    from distune.tuning_service.trials.trial_config import TrialConfig
+
+    own = TrialConfig(2, 4, 0, False)
+    flat = {"api": "prepare", "repeated_block_classes": 0}
+
+    def untried(pins: TrialPins, facts: dict[str, object]) -> tuple[str, ...]:
+        return trial_space(pins, 2, own, facts, False).untried_for_want_of_blocks()
+
+    assert untried(TrialPins(), flat) == ("ZeRO-3", "activation checkpointing")
+    assert untried(TrialPins(stage=1), flat) == ("activation checkpointing",)
+    assert untried(TrialPins(checkpointing=False), flat) == ("ZeRO-3",)
+    # Nothing lost: both pinned, blocks found, or the wrapper path (DDP, no checkpointing).
+    assert untried(TrialPins(stage=2, checkpointing=False), flat) == ()
+    assert untried(TrialPins(), {**flat, "repeated_block_classes": 2}) == ()
+    mapped = TrialPins(arg_mappings=(("train_micro_batch_size_per_gpu", "--batch-size"),))
+    assert untried(mapped, {**flat, "api": "wrapper"}) == ()
+    assert "so ZeRO-3 are" not in no_blocks_notice(("ZeRO-3",))
+    assert "so activation checkpointing is not tried" in no_blocks_notice(
+        ("activation checkpointing",)
+    )
+
+
 def test_a_best_config_in_bf16_reaches_the_ranks_and_auto_profiles_in_full_precision(
     tmp_path: Path,
 ) -> None:

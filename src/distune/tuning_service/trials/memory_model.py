@@ -37,9 +37,16 @@ runs out of memory is pruned as any other.
 
 Each measured trial then corrects its own (stage, checkpointing) family: one measurement fixes
 the family's offset, two or more fit its line in the micro-batch, from its trials of the same
-kind (with accumulation or without) where there are any. A trial without accumulation corrects
-the family's configurations with accumulation upwards only, by what it measured over the
-prior's prediction: what it did not hold for lack of accumulation says nothing of them.
+kind (with accumulation or without) where there are any. ``A`` is one micro-batch's figure, and
+falls 3-12 % short of the slope that trials at several micro-batches measure, so a family not
+yet fitted also predicts along every slope fitted by a family whose slope bounds its own (the
+same checkpointing; ddp and zero1 bound every stage, zero2 and zero3 only each other), from
+its one measured point or else the profile's micro-batch, and takes the largest prediction:
+above the point that raises it, and a fitted slope never lowers it.
+
+A trial without accumulation corrects the family's configurations with accumulation upwards
+only, by what it measured over the prior's prediction: what it did not hold for lack of
+accumulation says nothing of them.
 
 Checkpointing's activation bytes come from the profile too: hooks on the repeated blocks
 measure what each kept and the bytes of its input, so a checkpointed forward keeps ``A`` minus
@@ -176,8 +183,10 @@ class MemoryModel:
             share = self.share(config)
         return self.facts.formula_bytes(config, 0.0, share) + self.facts.residual_bytes
 
-    def _slope(self, checkpointing: bool) -> float:
-        """Bytes per sample of micro-batch: the profile's, or a checkpointed family's fit."""
+    def _single_slope(self, checkpointing: bool) -> float:
+        """Bytes per sample of micro-batch from single points: the profile's, or for
+        checkpointing the largest that a checkpointed trial measured over its base (at most
+        the uncheckpointed one)."""
         if not checkpointing:
             return float(self.facts.activation_bytes_per_sample)
         slopes = [
@@ -192,6 +201,21 @@ class MemoryModel:
                 return float(min(measured, self.facts.activation_bytes_per_sample))
             return float(self.facts.activation_bytes_per_sample)
         return min(max(max(slopes), 0.0), float(self.facts.activation_bytes_per_sample))
+
+    def fitted_slopes(self, config: TrialConfig) -> list[float]:
+        """The slopes in the micro-batch measured by the families whose slope bounds
+        ``config``'s (:func:`carries_slope`): each family's least-squares line through its
+        trials of one kind (with accumulation, or without) at two or more micro-batches."""
+        slopes = []
+        for (stage, checkpointing), family in self._measured.items():
+            if not carries_slope(stage, checkpointing, config):
+                continue
+            member = next(iter(family))
+            for accumulating in (True, False):
+                points = self._points(member, accumulating)
+                if len(points) >= 2:
+                    slopes.append(line_through(points)[0])
+        return slopes
 
     def _points(
         self, config: TrialConfig, accumulating: bool, share: float | None = None
@@ -226,20 +250,45 @@ class MemoryModel:
     def _from_points(
         self, config: TrialConfig, points: dict[int, float], share: float | None = None
     ) -> float:
-        """``config``'s base plus its activations: the line through ``points`` (two or more),
-        one point's offset and the slope, or the slope alone."""
+        """``config``'s base plus its activations: the line through ``points`` (two or more);
+        else from one point's offset (or the profile's micro-batch) along the single-point
+        slope, or along a slope that agreeing families measured where that predicts more (a
+        single point's figure falls short of the slope: never below it)."""
         base = self._base(config, share)
         if len(points) >= 2:
-            xs = sorted(points)
-            n = len(xs)
-            mean_x = sum(xs) / n
-            mean_y = sum(points[x] for x in xs) / n
-            var = sum((x - mean_x) ** 2 for x in xs)
-            slope = sum((x - mean_x) * (points[x] - mean_y) for x in xs) / var
-            slope = max(slope, 0.0)
+            slope, mean_x, mean_y = line_through(points)
             return base + mean_y + slope * (config.micro_batch - mean_x)
-        slope = self._slope(config.checkpointing)
+        single = self._single_slope(config.checkpointing)
         if points:
-            ((m, above),) = points.items()
-            return base + above + slope * (config.micro_batch - m)
-        return base + slope * config.micro_batch
+            ((anchor, above),) = points.items()
+        else:
+            anchor = self.facts.profile.micro_batch
+            above = single * anchor
+        return base + max(
+            above + slope * (config.micro_batch - anchor)
+            for slope in [single, *self.fitted_slopes(config)]
+        )
+
+
+def carries_slope(stage: int, checkpointing: bool, config: TrialConfig) -> bool:
+    """Whether the slope that family (``stage``, ``checkpointing``) measured bounds
+    ``config``'s from below: the same checkpointing, and a family on whole parameters (ddp,
+    zero1) for every stage, an FSDP one (zero2, zero3) for FSDP only. ddp and zero1 run the
+    same forward and backward (their slopes agree to 0.1 % on every grid measured); FSDP's peak
+    grows at that slope too once the activations dominate it (one context-256 grid), and up to
+    30 % more slowly before (context 32: its peak falls elsewhere in the step)."""
+    if checkpointing != config.checkpointing:
+        return False
+    return stage < 2 or config.stage >= 2
+
+
+def line_through(points: dict[int, float]) -> tuple[float, float, float]:
+    """The least-squares line through ``points`` (micro-batch: bytes), two or more: its slope
+    (never below 0), and the mean micro-batch and bytes it passes through."""
+    xs = sorted(points)
+    n = len(xs)
+    mean_x = sum(xs) / n
+    mean_y = sum(points[x] for x in xs) / n
+    var = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (points[x] - mean_y) for x in xs) / var
+    return max(slope, 0.0), mean_x, mean_y

@@ -9,7 +9,7 @@ configuration trains with.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from distune.tuning_service.trials.trial_config import (
     ACCUMULATION,
@@ -91,6 +91,17 @@ class TrialSpace:
         if pinned is not None:
             return (pinned,)
         return (False, True) if self.repeated_blocks else (False,)
+
+    def untried_for_want_of_blocks(self) -> tuple[str, ...]:
+        """The knobs the pins left free that the model's lack of repeated blocks takes out
+        (``ZeRO-3``, ``activation checkpointing``): what a user could still get by naming the
+        blocks. Empty where the model has blocks or the user pinned both knobs."""
+        with_blocks = replace(self, repeated_blocks=True)
+        lost = (
+            ("ZeRO-3", self.stages() != with_blocks.stages()),
+            ("activation checkpointing", self.checkpointing() != with_blocks.checkpointing()),
+        )
+        return tuple(name for name, gone in lost if gone)
 
     def precisions(self) -> tuple[bool, ...]:
         """bf16 mixed precision off and on where the config allows it (``auto``), off first
