@@ -398,7 +398,13 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "or torch's DistributedDataParallel"
             )
         if self._sync is not None and not self._sync.stopped:
-            logger.info("register_comm_hook: model %r stops tuning", self.name)
+            if self.topology.rank == 0:  # the user asked for tuning: say why it stops
+                logger.warning(
+                    "register_comm_hook: model %r stops tuning and keeps %s (a hook may keep "
+                    "state per bucket, as PowerSGD does, which a new bucket size would break)",
+                    self.name,
+                    self.hyperparameters.describe(),
+                )
             self._sync.stop()
         process_group = self._process_group()
         self._runtime().set_exchange(

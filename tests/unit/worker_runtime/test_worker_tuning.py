@@ -363,3 +363,19 @@ def test_a_bucket_cap_that_leaves_nothing_to_tune_says_so(
         if warned
         else []
     )
+
+
+def test_a_comm_hook_that_stops_tuning_says_so(tuning_world, caplog):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    with ScriptedService() as service:
+        tuning_world(service.url)
+        model = distune.DistributedDataParallel(nn.Linear(64, 2048))
+        with caplog.at_level(logging.WARNING, logger="distune.worker_runtime.distributed"):
+            model.register_comm_hook(None, allreduce_hook)
+    assert model._sync.stopped
+    assert [m for m in warnings_of(caplog) if "stops tuning" in m] == [
+        "register_comm_hook: model 'model0' stops tuning and keeps bucket 2^20 B (1 MiB), flat "
+        "(a hook may keep state per bucket, as PowerSGD does, which a new bucket size would "
+        "break)"
+    ]
