@@ -55,8 +55,8 @@ def format_summary(
     if status is not None and not lines:
         lines.append(
             "distune: no model registered with the tuning service: nothing was tuned (the "
-            "script never wrapped a model in distune.DistributedDataParallel; torch's own "
-            "DistributedDataParallel is not tuned)"
+            "script wrapped no model in distune.DistributedDataParallel, or only under an "
+            "algorithm with no knob to tune; torch's own DistributedDataParallel is not tuned)"
         )
     if log_file:
         lines.append(f"distune: autotune log: {log_file}")
