@@ -138,6 +138,25 @@ def space_pins(pins: TrialPins, profile: TrialConfig, api: str | None) -> TrialP
     )
 
 
+def batch_moved(profile: TrialResult, result: TrialResult, flag: str | None) -> str | None:
+    """Why the search must stop where a trial of a script measured through its wrapper found
+    its micro-batch in another dimension of the input than the profile read it from: the
+    profile, told no micro-batch (the script's mapped flag left to its default), read the
+    first dimension of a sequence-first input, and the global batch everything keeps is
+    wrong. None where they agree (or either does not say)."""
+    read = (profile.facts or {}).get("batch_dimensions")
+    found = (result.facts or {}).get("batch_dimensions")
+    if not read or not found or set(read) & set(found):
+        return None
+    return (
+        f"trial {result.trial} found its micro-batch ({result.config.micro_batch}) in dimension "
+        f"{found[0]} of the script's first input, but the profile trial read dimension {read[0]} "
+        f"({profile.config.micro_batch}) as the script's own micro-batch, so the global batch "
+        f"the trials keep is not the script's; give {flag or 'the mapped flag'} on the command "
+        "line (the profile then looks for its value in every dimension)"
+    )
+
+
 def trial_space(
     pins: TrialPins,
     world_size: int,
@@ -687,6 +706,9 @@ class Level2:
         result = self._trial(
             len(search.results), proposal.config, proposal.purpose, proposal.predicted_memory_bytes
         )
+        moved = batch_moved(search.results[0], result, self.pins.flag_for(MICRO_BATCH))
+        if moved is not None:
+            raise OptionError(f"--autotune_level 2: {moved}")
         change = search.space.batch_change(proposal.config)
         search.record(replace(result, batch_change=change))
 

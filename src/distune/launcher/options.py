@@ -654,9 +654,17 @@ def check_training_script(args: argparse.Namespace) -> None:
                 "script's file"
             )
     elif not path.is_file():
+        command = os.sep not in script and shutil.which(script) is not None
         raise OptionError(
             f"training script {script!r}: no such file (the working directory is "
-            f"{os.getcwd()}); give the script's path, or -m for a module"
+            f"{os.getcwd()}); "
+            + (
+                # `distune-run python train.py`, as one types `python train.py`
+                f"{script!r} is a command: distune-run runs the script with its own Python, so "
+                f"leave {script!r} out, or give --no-python to run a command"
+                if command
+                else "give the script's path, or -m for a module"
+            )
         )
     elif not os.access(path, os.R_OK):
         raise OptionError(f"training script {script!r} is not readable")

@@ -53,7 +53,11 @@ def format_summary(
         if model.get("verdict"):
             lines.append(f"  {model['verdict']}")
     if status is not None and not lines:
-        lines.append("distune: no model registered with the tuning service")
+        lines.append(
+            "distune: no model registered with the tuning service: nothing was tuned (the "
+            "script wrapped no model in distune.DistributedDataParallel, or only under an "
+            "algorithm with no knob to tune; torch's own DistributedDataParallel is not tuned)"
+        )
     if log_file:
         lines.append(f"distune: autotune log: {log_file}")
     if best_file:

@@ -168,6 +168,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         if tuning:
             self._start_tuning(settings, start, hyperparameters)
         self._log_start(len(named), start, tuning)
+        if tuning and arguments.bucket_size is not None and not start.space.tuned:
+            unpinned = self._plan_start(named, None, hierarchical, settings)
+            if unpinned.space.tuned:
+                self._warn_bucket_pin()
         # A level-2 trial of a script that never calls distune.prepare is measured here.
         measure_wrapper_in_trial(self, module, self._runtime())
 
@@ -309,6 +313,17 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "tuning online" if tuning else "not tuning",
             )
 
+    def _warn_bucket_pin(self) -> None:
+        """torch DDP scripts often pass ``bucket_cap_mb`` out of habit: under level 1 it pins
+        the one knob this job could tune, and nothing is tuned; say so once."""
+        if self.topology.rank == 0:
+            logger.warning(
+                "model %r: its constructor pins the bucket size (bucket_cap_mb or bucket_size), "
+                "the only knob this job could tune: --autotune_level 1 measures one group and "
+                "changes nothing; leave bucket_cap_mb out to let distune tune the bucket size",
+                self.name,
+            )
+
     # -- distune's own ---------------------------------------------------------------------
 
     @property
@@ -383,7 +398,13 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "or torch's DistributedDataParallel"
             )
         if self._sync is not None and not self._sync.stopped:
-            logger.info("register_comm_hook: model %r stops tuning", self.name)
+            if self.topology.rank == 0:  # the user asked for tuning: say why it stops
+                logger.warning(
+                    "register_comm_hook: model %r stops tuning and keeps %s (a hook may keep "
+                    "state per bucket, as PowerSGD does, which a new bucket size would break)",
+                    self.name,
+                    self.hyperparameters.describe(),
+                )
             self._sync.stop()
         process_group = self._process_group()
         self._runtime().set_exchange(

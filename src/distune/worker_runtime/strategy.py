@@ -222,7 +222,8 @@ class ShardedModuleGuard:
     through ``model.module``, ``torch.save(model.module.state_dict())``) would fail cryptically
     ("mat2 must be a matrix") or, worse, save the shards as the model's weights. They raise
     here, naming the way out; FSDP's own calls go through the root (``run.model``), which
-    this tells apart (forwards by a flag the root's hooks hold, state dicts by their prefix)."""
+    this tells apart (forwards by a flag the root's hooks hold, state dicts by their prefix);
+    inside FSDP's ``summon_full_params`` the wrapped module holds whole parameters and is let be."""
 
     def __init__(self, root: FullyShardedDataParallel, stage: int) -> None:
         self._root = root
@@ -251,20 +252,25 @@ class ShardedModuleGuard:
             "zero_optimization.stage to 0 or 1 in the level-2 config"
         )
 
+    def _gathered(self) -> bool:
+        """Inside FSDP's ``summon_full_params``: the wrapped module holds whole parameters."""
+        state = getattr(self._root, "training_state", None)
+        return getattr(state, "name", None) == "SUMMON_FULL_PARAMS"
+
     def _check_forward(self, *_: Any) -> None:
-        if not self._in_root_forward:
+        if not self._in_root_forward and not self._gathered():
             raise self._refuse(
                 "run every forward through run.model, on every rank (an evaluation too: FSDP "
                 "gathers the parameters from all ranks)"
             )
 
     def _check_state_dict(self, _module: nn.Module, prefix: str, _keep_vars: bool) -> None:
-        if not prefix:  # called on run.model.module itself, not through the root
+        if not prefix and not self._gathered():  # on run.model.module itself, not the root
             raise self._refuse(
                 "its state_dict() would be those shards; save run.model.state_dict() (FSDP "
                 "gathers the whole model: call it on every rank)"
             )
 
     def _check_load(self, _module: nn.Module, _state: Any, prefix: str, *_: Any) -> None:
-        if not prefix:
+        if not prefix and not self._gathered():
             raise self._refuse("load a state dict with run.model.load_state_dict()")

@@ -463,6 +463,7 @@ class WrapperMeasurement(TrialMeasurement):
         self._params = params
         #: What the first training forward's batch size may be (``_batch_sizes``).
         self._forward_sizes: tuple[int, ...] | None = None
+        self.batch_dimensions: list[int] = []
         self.accumulation = 0
 
     def attach_wrapper(self, wrapper: nn.Module, reducer: Reducer) -> None:
@@ -501,7 +502,8 @@ class WrapperMeasurement(TrialMeasurement):
         accumulation = self._settings.accumulation
         # Told the micro-batch (a trial's, or the script's own flag in the profile), any
         # dimension of the input may hold it; untold, the first is read.
-        micro = sizes[0] if wanted is None or wanted not in sizes else wanted
+        micro = wanted if wanted in sizes else sizes[0]
+        self.batch_dimensions = [i for i, size in enumerate(sizes) if size == micro]
         if wanted is not None and micro != wanted:
             raise TrialStepError(
                 f"distune trial: train_micro_batch_size_per_gpu={wanted} ({MICRO_BATCH}), but "
@@ -532,6 +534,9 @@ class WrapperMeasurement(TrialMeasurement):
                 "checkpointing": False,
             },
             "world_size": dist.get_world_size(),
+            # Where the micro-batch is in the input (``_batch_sizes``' order): a later trial
+            # that finds it only elsewhere shows the profile read another dimension.
+            "batch_dimensions": self.batch_dimensions,
             **self._facts,
         }
 

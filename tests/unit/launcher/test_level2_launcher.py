@@ -542,3 +542,26 @@ def test_with_every_knob_pinned_level_2_runs_no_trial_and_writes_that_configurat
     assert not (results / "trials.jsonl").exists()
     command = (results / "best_command.txt").read_text()
     assert "--autotune_level 0 --autotune_config" in command
+
+
+def test_a_trial_finding_the_batch_in_another_dimension_than_the_profile_stops_the_search() -> None:
+    from distune.launcher.level2 import batch_moved
+
+    def ran(trial: int, micro: int, dimensions: list[int]) -> TrialResult:
+        facts = {"api": "wrapper", "batch_dimensions": dimensions}
+        config = TrialConfig(micro, 1, 0, False)
+        return TrialResult(
+            trial, config, 2, "ok", "search", throughput=1.0, step_seconds=1.0, facts=facts
+        )
+
+    # An LSTM's (35 time steps, batch) input, its --batch_size left to the script's default:
+    # the profile read the 35 time steps; a trial told 10 finds it in dimension 1.
+    profile = ran(0, 35, [0])
+    moved = batch_moved(profile, ran(1, 10, [1]), "--batch_size")
+    assert moved is not None
+    assert moved.startswith("trial 1 found its micro-batch (10) in dimension 1 of the script's")
+    assert moved.endswith("give --batch_size on the command line (the profile then looks for its "
+                          "value in every dimension)")  # fmt: skip
+    assert batch_moved(profile, ran(2, 35, [0, 1]), "--batch_size") is None  # (35, 35): agrees
+    assert batch_moved(ran(0, 20, [1]), ran(1, 10, [1]), "--batch_size") is None  # told: agrees
+    assert batch_moved(_ran(0, TrialConfig(2, 4, 0, False), "ok", "profile"), profile, None) is None

@@ -259,6 +259,7 @@ def test_a_device_keyword_this_machine_lacks_exits_2_at_any_level(level, capsys)
         (["--no-python", "no-such-command-for-distune"],
          "--no-python command 'no-such-command-for-distune' is not on the PATH"),
         (["--no-python", "./t.py"], "--no-python command './t.py' is not an executable file"),
+        (["sh", "t.py"], "training script 'sh': no such file (the working directory is "),
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("level", ["0", "1", "2"])
@@ -272,6 +273,20 @@ def test_a_script_that_is_not_there_exits_2_before_anything_starts(
     assert err.startswith(f"distune-run: error: {message}")
     assert err.count("\n") == 1
     assert "tuning service" not in out
+
+
+def test_a_command_typed_before_the_script_is_named_as_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # `distune-run python train.py`, as one runs `python train.py`
+    (tmp_path / "train.py").write_text("")
+    assert main(["--nproc_per_node", "2", "sh", "train.py"]) == 2
+    assert (
+        capsys.readouterr()
+        .err.rstrip()
+        .endswith(
+            "'sh' is a command: distune-run runs the script with its own Python, so leave 'sh' "
+            "out, or give --no-python to run a command"
+        )
+    )
 
 
 def test_scripts_modules_and_commands_that_are_there_pass_the_check(tmp_path, monkeypatch):

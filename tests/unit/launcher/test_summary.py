@@ -109,3 +109,10 @@ def test_the_gain_carries_its_interval_and_says_when_it_is_within_the_noise():
     # not "+0.0% ± 0.0% (within the noise)".
     leads = summary(0.0, 0.0, False)
     assert "gain none: the default group is the best measured" in leads and "±" not in leads
+
+
+def test_a_job_that_registered_no_model_says_how_a_model_takes_part():
+    (line,) = format_summary({"models": {}}, None, None)
+    assert line.startswith("distune: no model registered with the tuning service: nothing was")
+    assert "distune.DistributedDataParallel" in line
+    assert "torch's own DistributedDataParallel is not tuned" in line

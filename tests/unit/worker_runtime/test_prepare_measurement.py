@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
 
 import distune
 from distune.trial_settings import ACCUMULATION, MICRO_BATCH, TRIAL_DIR
@@ -218,5 +219,7 @@ def test_under_fsdp_the_ddp_idioms_through_model_module_raise_naming_run_model(m
         run.model.eval()
         with torch.no_grad():
             assert run.model(torch.randn(3, 4)).shape == (3, 4)  # the root still runs
+        with FullyShardedDataParallel.summon_full_params(run.model):  # whole parameters here
+            assert run.model.module.state_dict()["0.weight"].shape == (4, 4)
     finally:
         dist.destroy_process_group()

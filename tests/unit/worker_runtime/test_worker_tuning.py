@@ -338,3 +338,44 @@ def test_set_hyperparameters_stops_tuning(tuning_world):
         for _ in range(30):
             model(torch.randn(4, 64)).sum().backward()
     assert model.hyperparameters == Hyperparameters(10, False)
+
+
+@pytest.mark.parametrize(
+    ("out_features", "bucket_cap_mb", "warned"),
+    [(2048, 25, True), (2048, None, False), (8, 25, False)],  # (8: one group either way)
+)
+def test_a_bucket_cap_that_leaves_nothing_to_tune_says_so(
+    tuning_world, caplog, out_features, bucket_cap_mb, warned
+):
+    with ScriptedService() as service:
+        tuning_world(service.url)
+        with caplog.at_level(logging.WARNING, logger="distune.worker_runtime.distributed"):
+            distune.DistributedDataParallel(
+                nn.Linear(64, out_features), bucket_cap_mb=bucket_cap_mb
+            )
+    said = [m for m in warnings_of(caplog) if "pins the bucket size" in m]
+    assert said == (
+        [
+            "model 'model0': its constructor pins the bucket size (bucket_cap_mb or bucket_size), "
+            "the only knob this job could tune: --autotune_level 1 measures one group and "
+            "changes nothing; leave bucket_cap_mb out to let distune tune the bucket size"
+        ]
+        if warned
+        else []
+    )
+
+
+def test_a_comm_hook_that_stops_tuning_says_so(tuning_world, caplog):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    with ScriptedService() as service:
+        tuning_world(service.url)
+        model = distune.DistributedDataParallel(nn.Linear(64, 2048))
+        with caplog.at_level(logging.WARNING, logger="distune.worker_runtime.distributed"):
+            model.register_comm_hook(None, allreduce_hook)
+    assert model._sync.stopped
+    assert [m for m in warnings_of(caplog) if "stops tuning" in m] == [
+        "register_comm_hook: model 'model0' stops tuning and keeps bucket 2^20 B (1 MiB), flat "
+        "(a hook may keep state per bucket, as PowerSGD does, which a new bucket size would "
+        "break)"
+    ]

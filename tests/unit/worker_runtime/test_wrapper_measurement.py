@@ -294,4 +294,7 @@ def test_a_micro_batch_the_trial_sets_is_found_in_any_dimension_of_the_input(tmp
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads((tmp_path / "trial" / "result.json").read_text())
     assert result["config"]["micro_batch"] == 5  # not 7 time steps, nor 3 channels
+    # Where it was found, for the launcher to check against the profile: (7, 5, 8)'s dimension
+    # 1; after the image's (3, 6, 6), the list's length.
+    assert result["batch_dimensions"] == ([1] if layout == "seq" else [3])
     assert result["throughput"] == pytest.approx(5 / result["step_seconds"])
