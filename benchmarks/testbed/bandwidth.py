@@ -36,7 +36,7 @@ from pathlib import Path
 
 from benchmarks.testbed.distune_job import TORCHRUN, launcher_argv
 from benchmarks.testbed.network import DEFAULT_BURST_BYTES, Node, Testbed
-from benchmarks.testbed.node_jobs import run_on_nodes
+from benchmarks.testbed.node_jobs import node0_result, run_on_nodes
 from benchmarks.testbed.rate import LinkRate, rate_argument
 
 REPO = Path(__file__).resolve().parents[2]
@@ -138,15 +138,7 @@ def measure(rate: LinkRate | None, args: argparse.Namespace) -> dict:
             timeout=60 + 3 * args.seconds * (args.repeats + 2),
             env={"PYTHONPATH": str(REPO)},
         )
-    failed = [result for result in results if not result.ok]
-    if failed:
-        raise RuntimeError(f"{name}: node{failed[0].rank} failed, see {failed[0].output}")
-    (line,) = [
-        line[len(_RESULT) :]
-        for line in results[0].read_output().splitlines()
-        if line.startswith(_RESULT)
-    ]
-    figures = json.loads(line)
+    figures = node0_result(results, _RESULT, name)
     figures["rate_bits_per_second"] = rate.bits_per_second if rate else None
     return figures
 

@@ -53,6 +53,21 @@ class NodeResult:
         return self.output.read_text(errors="replace")
 
 
+def node0_result(results: Sequence[NodeResult], marker: str, job: str = "") -> dict:
+    """The JSON object node 0 printed on its one line starting with ``marker``, once every node
+    ended ok; a failed node raises naming the ``job`` and the node's log."""
+    failed = [result for result in results if not result.ok]
+    if failed:
+        where = f"{job}: " if job else ""
+        raise RuntimeError(f"{where}node{failed[0].rank} failed, see {failed[0].output}")
+    (line,) = [
+        line[len(marker) :]
+        for line in results[0].read_output().splitlines()
+        if line.startswith(marker)
+    ]
+    return json.loads(line)
+
+
 def run_on_nodes(
     nodes: Sequence[Node],
     command: Callable[[Node], Sequence[str]],

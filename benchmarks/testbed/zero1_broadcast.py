@@ -37,7 +37,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from benchmarks.testbed.network import DEFAULT_MTU, Testbed
-from benchmarks.testbed.node_jobs import run_on_nodes
+from benchmarks.testbed.node_jobs import node0_result, run_on_nodes
 from benchmarks.testbed.rate import LinkRate, rate_argument
 
 REPO = Path(__file__).resolve().parents[2]
@@ -194,15 +194,7 @@ def measure(args: argparse.Namespace) -> dict:
             timeout=600,
             env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
         )
-    failed = [result for result in results if not result.ok]
-    if failed:
-        raise RuntimeError(f"node{failed[0].rank} failed, see {failed[0].output}")
-    (line,) = [
-        line[len(_RESULT) :]
-        for line in results[0].read_output().splitlines()
-        if line.startswith(_RESULT)
-    ]
-    return json.loads(line)
+    return node0_result(results, _RESULT)
 
 
 def line_rate_seconds(payload_bytes: float, rate: LinkRate | None) -> float | None:

@@ -330,3 +330,17 @@ def test_launcher_command_carries_the_rendezvous_and_refuses_to_repeat_it():
 def test_a_bad_testbed_configuration_is_refused_before_anything_is_built(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Testbed(**kwargs)
+
+
+def test_node0s_result_line_is_read_once_every_node_ended_ok(tmp_path):
+    from benchmarks.testbed.node_jobs import NodeResult, node0_result
+
+    logs = []
+    for rank, text in enumerate(['noise\nRESULT {"seconds": 0.5}\n', "RESULT {}\n"]):
+        logs.append(tmp_path / f"node{rank}.log")
+        logs[-1].write_text(text)
+    ended = [NodeResult(rank, ("job",), 0, 1.0, log) for rank, log in enumerate(logs)]
+    assert node0_result(ended, "RESULT ") == {"seconds": 0.5}
+    stopped = [ended[0], NodeResult(1, ("job",), -15, 1.0, logs[1], stopped="peer failed")]
+    with pytest.raises(RuntimeError, match=r"bandwidth: node1 failed, see .*node1\.log"):
+        node0_result(stopped, "RESULT ", "bandwidth")
