@@ -26,6 +26,11 @@ WARMUP_STEPS = "DISTUNE_TRIAL_WARMUP_STEPS"
 MEASURED_STEPS = "DISTUNE_TRIAL_STEPS"
 COLLECTIVE_TIMEOUT = "DISTUNE_TRIAL_COLLECTIVE_TIMEOUT"
 
+#: In a trial's directory: rank 0's aggregated result (each rank's own is ``rank<R>.json``),
+#: and the finished steps each node's first rank rewrites for its node launcher's watchdog.
+RESULT_FILE = "result.json"
+PROGRESS_FILE = "progress"
+
 #: Every variable, with what it means, as the README lists them.
 VARIABLES = {
     MICRO_BATCH: "level 2: micro-batch per rank (samples per forward)",

@@ -31,7 +31,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser
 
-from distune.trial_settings import TRIAL_DIR, TrialSettings
+from distune.trial_settings import PROGRESS_FILE, RESULT_FILE, TRIAL_DIR, TrialSettings
 from distune.tuning_service.trials.trial_result import CRASH, INVALID, OK, OOM, TIMEOUT
 from distune.worker_settings import SERVICE_TOKEN, SERVICE_URL, WorkerSettings
 
@@ -303,22 +303,22 @@ class TrialRunner:
                 start_new_session=True,
             )
             try:
-                timed_out, stopped = self._watch(process, trial_dir / "progress", abort)
+                timed_out, stopped = self._watch(process, trial_dir / PROGRESS_FILE, abort)
             finally:
                 if process.poll() is None:
                     self._stop(process, trial_dir)
         exit_code = process.returncode
         reports = [r for p in sorted(trial_dir.glob("rank*.json")) if (r := read_json_object(p))]
-        result = read_json_object(trial_dir / "result.json")
+        result = read_json_object(trial_dir / RESULT_FILE)
         outcome, error = classify(
             exit_code, timed_out, reports, result, failure_tail(trial_dir), self.node_rank == 0
         )
         if outcome == CRASH and (early := ended_early(trial_dir)) is not None:
             error = f"{error}\n{early}" if error else early
         if outcome == INVALID:
-            error = too_few_steps(read_json_object(trial_dir / "progress"), settings) or error
+            error = too_few_steps(read_json_object(trial_dir / PROGRESS_FILE), settings) or error
         if outcome == TIMEOUT:
-            error = stalled(read_json_object(trial_dir / "progress"), self.trial_timeout)
+            error = stalled(read_json_object(trial_dir / PROGRESS_FILE), self.trial_timeout)
         if outcome == TIMEOUT and not any(trial_dir.glob("pid.*")):
             # Each rank writes its pid file once distune measures it: none did.
             error = (

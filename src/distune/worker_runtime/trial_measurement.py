@@ -34,17 +34,12 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from distune.errors import DistuneError
-from distune.trial_settings import MICRO_BATCH, TrialSettings
+from distune.trial_settings import MICRO_BATCH, PROGRESS_FILE, RESULT_FILE, TrialSettings
 from distune.worker_runtime.memory_cap import LiveTensorBytes, MemoryMeter, start_meter
 
 if TYPE_CHECKING:
     from distune.worker_runtime.reducer import Reducer
 
-#: Rank 0's aggregated result; each rank's own file is ``rank<R>.json``.
-RESULT_FILE = "result.json"
-#: Each node's first rank rewrites this with the number of finished steps: that node
-#: launcher's watchdog reads it.
-PROGRESS_FILE = "progress"
 _TRACEBACK_TAIL_LINES = 12
 _OOM_MESSAGES = ("out of memory", "can't allocate memory", "DefaultCPUAllocator")
 #: The result's ``api``: how the script took its configuration.
