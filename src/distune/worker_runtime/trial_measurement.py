@@ -266,9 +266,7 @@ class TrialMeasurement:
         its shape: a script that built its batches from its own flags, not from the micro-batch
         ``prepare`` returned, would be measured as a configuration it never ran."""
         self._check_micro_batch = False  # once: the first forward says how batches are built
-        first = next(
-            (t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0), None
-        )
+        first = _first_batched_tensor(inputs)
         if first is not None and self.micro_batch not in first.shape:
             raise TrialStepError(
                 f"distune trial: distune.prepare set the micro-batch to {self.micro_batch}, but "
@@ -403,15 +401,19 @@ def wrapped_model_facts(module: nn.Module) -> dict[str, int]:
     }
 
 
+def _first_batched_tensor(inputs: Any) -> torch.Tensor | None:
+    """The first tensor of a forward's inputs (any nesting) with a dimension to hold a batch."""
+    return next(
+        (t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0), None
+    )
+
+
 def _batch_sizes(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
     """What a forward's batch size may be, the usual reading first: the first input tensor's
     first dimension; then its other dimensions (a sequence-first model, an LSTM or a
     ``batch_first=False`` transformer, takes ``(time, batch, ...)``) and the length of a list
     of tensors given as an argument (a detection model takes a list of images)."""
-    first = next(
-        (t for t in tree_leaves((inputs, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0),
-        None,
-    )
+    first = _first_batched_tensor((inputs, kwargs))
     if first is None:
         return ()
     lists = [
