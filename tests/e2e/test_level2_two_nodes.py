@@ -13,8 +13,7 @@ import pytest
 import requests
 
 from tests.e2e.conftest import SCRIPTS
-from tests.e2e.test_two_nodes import free_port_pair
-from tests.support.local_host import port_is_free
+from tests.support.local_host import free_port_pair, port_is_free
 
 pytestmark = pytest.mark.slow
 WORKER = str(SCRIPTS / "level2_worker.py")

@@ -25,10 +25,9 @@ import pytest
 
 from distune.space import Hyperparameters
 from tests.support.launcher_process import MARKER, processes_with
-from tests.support.local_host import port_is_free
+from tests.support.local_host import free_port_pair, port_is_free
 
 from .conftest import REPO
-from .test_two_nodes import free_port_pair
 
 pytestmark = pytest.mark.slow
 

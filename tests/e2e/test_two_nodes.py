@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import csv
-import socket
 
 import pytest
 
 from tests.support.launcher_process import FAST_TUNING
-from tests.support.local_host import port_is_free
+from tests.support.local_host import free_port_pair, port_is_free
 
 from .conftest import SMALL_MLP
 
@@ -16,17 +15,6 @@ pytestmark = pytest.mark.slow
 
 #: Long enough for three samples, one of them a close call (legs of 20 sampling times).
 JOB_SECONDS = "45"
-
-
-def free_port_pair() -> int:
-    """A port P such that P and P + 1 (the service's) are free on loopback."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        if port < 65535 and port_is_free(port + 1):
-            return port
-    raise RuntimeError("no free pair of ports")
 
 
 def test_two_nodes_share_one_service_and_tune_with_a_fixed_bucket(launch, tmp_path):

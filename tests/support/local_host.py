@@ -25,6 +25,16 @@ def port_is_free(port: int) -> bool:
     return True
 
 
+def free_port_pair() -> int:
+    """A port P such that P and P + 1 (a node 0's tuning service, by default) are both free
+    on loopback: a port the kernel hands out can have a busy neighbour."""
+    for _ in range(50):
+        port = free_port()
+        if port < 65535 and port_is_free(port + 1):
+            return port
+    raise RuntimeError("no free pair of ports")
+
+
 def is_running(pid: int) -> bool:
     """Whether ``pid`` is a live process (a zombie, or no process at all, is not)."""
     try:

@@ -4,12 +4,12 @@ import socket
 
 import pytest
 
-from distune.launcher.level2 import free_port
 from distune.launcher.main import main
 from distune.launcher.options import OptionError, parse
 from distune.launcher.placement import is_local_address, is_wildcard_address
 from distune.launcher.plan import UNSHARED_STORE, plan_launch, restart_caveat
 from distune.worker_settings import WorkerSettings
+from tests.support.local_host import free_port_pair
 
 
 def plan(*argv, env=None, monkeypatch=None):
@@ -312,7 +312,7 @@ def test_a_second_node_0_on_one_machine_is_told_its_service_port_is_taken(
     monkeypatch.setenv("DISTUNE_SERVICE_TOKEN", "a-token-of-this-job")
     script = tmp_path / "t.py"
     script.write_text("raise SystemExit(3)\n")
-    rendezvous = free_port()
+    rendezvous = free_port_pair()
     with socket.socket() as first_node_0:  # what the first launcher's service holds
         first_node_0.bind(("127.0.0.1", rendezvous + 1))
         first_node_0.listen()
