@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 
 from distune.trial_settings import TrialSettings
 from distune.worker_runtime.memory_cap import MemoryMeter
+from distune.worker_runtime.sharded_state import DEFAULT_CHECKPOINT_TIMEOUT
 from distune.worker_runtime.strategy import apply, repeated_blocks
 from distune.worker_runtime.trial_measurement import (
     PREPARE,
@@ -153,6 +154,7 @@ def prepare(
     gradient_accumulation_steps: int = 1,
     name: str = "model0",
     blocks: Sequence[type[nn.Module]] | None = None,
+    checkpoint_timeout: float = DEFAULT_CHECKPOINT_TIMEOUT,
 ) -> Prepared:
     """Wrap ``model`` and ``optimizer`` for this run's level-2 configuration.
 
@@ -164,6 +166,11 @@ def prepare(
         gradient_accumulation_steps: the script's own micro-steps per optimizer step.
         name: the model's name for the tuning service (as for DistributedDataParallel).
         blocks: classes of the model's repeated blocks (default: found in its ModuleLists).
+        checkpoint_timeout: seconds every rank waits for the others in the state-dict calls
+            that are collectives under a sharded stage (``run.model.state_dict()`` under
+            ZeRO-2/3, ``run.optimizer.state_dict()`` under ZeRO-1 to 3, and their loads)
+            before failing, naming the call: a rank-0-only call fails then, rather than hang
+            until the process group's time-out.
 
     Returns:
         a :class:`Prepared`: train ``.model`` with ``.optimizer`` on batches of
@@ -175,6 +182,13 @@ def prepare(
         micro_batch_size, gradient_accumulation_steps
     )
     block_classes = _block_classes(blocks, model)
+    if isinstance(checkpoint_timeout, bool) or not (
+        isinstance(checkpoint_timeout, int | float) and checkpoint_timeout > 0
+    ):
+        raise ValueError(
+            "distune.prepare: checkpoint_timeout must be a number of seconds above 0, got "
+            f"{checkpoint_timeout!r}"
+        )
     settings = TrialSettings.from_env()
     rank = dist.get_rank()
     device = next(model.parameters()).device
@@ -203,7 +217,17 @@ def prepare(
     parameter_bytes, gradient_bytes, largest_block = _facts(model, block_classes)
 
     with preparing():  # the DDP made here is measured by prepare, not by itself
-        applied = apply(model, optimizer, stage, checkpointing, device, name, block_classes, bf16)
+        applied = apply(
+            model,
+            optimizer,
+            stage,
+            checkpointing,
+            device,
+            name,
+            block_classes,
+            bf16,
+            checkpoint_timeout,
+        )
     prepared = Prepared(
         model=applied.model,
         optimizer=applied.optimizer,

@@ -40,13 +40,27 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    ShardingStrategy,
+    StateDictType,
+)
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils._pytree import tree_map_only
 
 from distune.errors import DistuneError
 from distune.worker_runtime.distributed import DistributedDataParallel
+from distune.worker_runtime.sharded_state import (
+    DEFAULT_CHECKPOINT_TIMEOUT,
+    RankCheck,
+    check_model,
+    whole_fsdp_optimizer,
+    whole_zero_optimizer,
+)
 
 _SHARDING = {2: ShardingStrategy.SHARD_GRAD_OP, 3: ShardingStrategy.FULL_SHARD}
 # FSDP names its wrapped modules' parameters with this prefix; the original names lack it.
@@ -160,8 +174,12 @@ def apply(
     name: str = "model0",
     blocks: Sequence[type[nn.Module]] | None = None,
     bf16: bool = False,
+    checkpoint_timeout: float = DEFAULT_CHECKPOINT_TIMEOUT,
 ) -> Applied:
-    """Wrap ``model`` (and rebuild ``optimizer`` where the stage needs it)."""
+    """Wrap ``model`` (and rebuild ``optimizer`` where the stage needs it). Under stages 1 to 3
+    the state-dict calls that are collectives meet every rank first, for at most
+    ``checkpoint_timeout`` seconds, and the optimizer's state dict is the whole state
+    (:mod:`distune.worker_runtime.sharded_state`)."""
     block_classes = tuple(blocks) if blocks is not None else repeated_blocks(model)
     if (checkpointing or stage == 3) and not block_classes:
         raise StrategyError(
@@ -196,6 +214,7 @@ def apply(
             parameters_as_bucket_view=True,
             **_constructor_options(optimizer),
         )
+        whole_zero_optimizer(zero, RankCheck.create(stage, checkpoint_timeout), device)
         return Applied(wrapped, zero)
     policy = ModuleWrapPolicy(set(block_classes)) if block_classes else None
     wrapped = FullyShardedDataParallel(
@@ -213,7 +232,22 @@ def apply(
         else None,
     )
     ShardedModuleGuard(wrapped, stage).install()
-    return Applied(wrapped, _rebuild(optimizer, wrapped, groups))
+    if device.type == "cpu":
+        # FSDP's optimizer state dict "offloads to CPU" (its default) with a `.cpu()` that, on
+        # CPU, keeps each state a view of the buffer it gathers the next state into: Adam's
+        # exp_avg came back as exp_avg_sq (torch 2.13). Not offloading, FSDP clones each one.
+        FullyShardedDataParallel.set_state_dict_type(
+            wrapped,
+            StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(),
+            FullOptimStateDictConfig(offload_to_cpu=False),
+        )
+    rebuilt = _rebuild(optimizer, wrapped, groups)
+    check = RankCheck.create(stage, checkpoint_timeout)
+    check_model(wrapped, check)
+    # The names before wrapping are those FSDP's state dicts use.
+    whole_fsdp_optimizer(wrapped, rebuilt, check, [n for g in groups for n in g["names"]])
+    return Applied(wrapped, rebuilt)
 
 
 class ShardedModuleGuard:
