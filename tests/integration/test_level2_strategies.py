@@ -14,6 +14,7 @@ import pytest
 import torch
 from ddp_launch import run_job, worker_main
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import distune
@@ -25,7 +26,7 @@ from distune.trial_settings import (
     MICRO_BATCH,
     ZERO_STAGE,
 )
-from distune.worker_runtime.strategy import apply
+from distune.worker_runtime.strategy import StrategyError, apply
 
 pytestmark = pytest.mark.slow
 SCENARIOS = {}
@@ -66,10 +67,16 @@ class Net(nn.Module):
 
 
 def train(
-    stage: int, checkpointing: bool, micro: int, bf16: bool = False, clip: float | None = None
+    stage: int,
+    checkpointing: bool,
+    micro: int,
+    bf16: bool = False,
+    clip: float | None = None,
+    scaler: type[torch.amp.GradScaler] | None = None,
 ) -> list[float]:
     """Losses of STEPS optimizer steps on this rank's fixed data, under one configuration
-    (then, where gradients are clipped to ``clip``, the norms ``run.clip_grad_norm_`` saw)."""
+    (then, where gradients are clipped to ``clip``, the norms ``run.clip_grad_norm_`` saw),
+    stepped through a gradient scaler of class ``scaler`` if given."""
     os.environ.update(
         {
             BF16: str(int(bf16)),
@@ -90,16 +97,21 @@ def train(
     data = torch.Generator().manual_seed(100 + rank)
     x, y = torch.randn(PER_RANK, 8, generator=data), torch.randn(PER_RANK, 1, generator=data)
     losses, norms = [], []
+    scaling = scaler("cpu", init_scale=2.0**10) if scaler is not None else None
     for _ in range(STEPS):
         total = 0.0
         for i, (xs, ys) in enumerate(zip(x.split(micro), y.split(micro), strict=True)):
             with run.accumulate(i):
                 loss = nn.functional.mse_loss(run.model(xs), ys) / run.gradient_accumulation_steps
-                loss.backward()
+                (scaling.scale(loss) if scaling is not None else loss).backward()
             total += loss.item()
         if clip is not None:
             norms.append(float(run.clip_grad_norm_(clip)))
-        run.optimizer.step()
+        if scaling is not None:
+            scaling.step(run.optimizer)
+            scaling.update()
+        else:
+            run.optimizer.step()
         run.optimizer.zero_grad()
         losses.append(total)
     return losses + norms
@@ -129,6 +141,23 @@ def bf16_strategies_train_the_same_model(out: Path) -> dict:
     configs = [(0, False, 4), (0, False, 1), (1, False, 2), (2, False, 4), (3, False, 2)]
     losses = {f"{s}/{c}/{m}": train(s, c, m, bf16=True) for s, c, m in configs}
     return {**losses, "fp32": train(0, False, 4)}
+
+
+@scenario
+def gradient_scalers_under_sharded_stages(out: Path) -> dict:
+    """torch's GradScaler under ddp and zero1; ShardedGradScaler under zero2 and zero3; then
+    torch's GradScaler under zero2, which is refused."""
+    results: dict = {
+        "ddp GradScaler": train(0, False, 4, scaler=torch.amp.GradScaler),
+        "zero1 GradScaler": train(1, False, 2, scaler=torch.amp.GradScaler),
+        "zero2 ShardedGradScaler": train(2, False, 4, scaler=ShardedGradScaler),
+        "zero3 ShardedGradScaler": train(3, False, 2, scaler=ShardedGradScaler),
+    }
+    try:
+        train(2, False, 4, scaler=torch.amp.GradScaler)
+    except StrategyError as error:
+        results["zero2 GradScaler"] = str(error)
+    return results
 
 
 def zero1_against_stock_zero1() -> dict[str, bool]:
@@ -209,6 +238,17 @@ def test_bf16_strategies_give_bf16_ddps_losses_within_bf16_tolerance(tmp_path):
             torch.testing.assert_close(losses, reference, rtol=3e-2, atol=1e-3, msg=config)
         assert reference != fp32  # mixed precision really ran: the numerics changed
         torch.testing.assert_close(reference, fp32, rtol=3e-2, atol=1e-3)
+
+
+def test_a_gradient_scaler_that_checks_a_shard_alone_is_refused_under_zero2(tmp_path):
+    results = run_job(__file__, "gradient_scalers_under_sharded_stages", tmp_path)
+    for rank_result in results:
+        refused = rank_result.pop("zero2 GradScaler")
+        assert "torch.amp.GradScaler checks only its own rank's shard" in refused
+        assert "Use torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler" in refused
+        reference = rank_result["ddp GradScaler"]
+        for config, losses in rank_result.items():
+            torch.testing.assert_close(losses, reference, rtol=1e-5, atol=1e-6, msg=config)
 
 
 def test_the_memory_cap_raises_torchs_out_of_memory_error_on_cpu(tmp_path):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from torch.distributed.fsdp import (
     ShardingStrategy,
     StateDictType,
 )
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils._pytree import tree_map_only
@@ -247,7 +249,41 @@ def apply(
     check_model(wrapped, check)
     # The names before wrapping are those FSDP's state dicts use.
     whole_fsdp_optimizer(wrapped, rebuilt, check, [n for g in groups for n in g["names"]])
+    rebuilt.register_step_pre_hook(functools.partial(_refuse_a_local_grad_scaler, stage=stage))
     return Applied(wrapped, rebuilt)
+
+
+# Where torch's GradScaler calls the optimizer's step (its own, or a subclass's).
+_SCALER_STEPS = (torch.amp.GradScaler.step.__code__, torch.amp.GradScaler._maybe_opt_step.__code__)
+
+
+def _refuse_a_local_grad_scaler(_optimizer: Any, _args: Any, _kwargs: Any, *, stage: int) -> None:
+    """An optimizer step pre-hook under ZeRO-2/3: refuse a step that torch's ``GradScaler``
+    takes. Each rank holds a shard of the gradients, and that scaler checks only its own shard
+    for inf/NaN, so ranks would skip different steps and train different models (torch's
+    ``ShardedGradScaler`` agrees over the ranks). Refused before the first step any rank takes,
+    no rank ever applies a step the others skipped. Costs a look at the caller's frames."""
+    frame = sys._getframe(1)
+    for _ in range(6):  # the scaler calls the step through the optimizer's hook wrapper
+        if frame.f_code in _SCALER_STEPS:
+            scaler = frame.f_locals.get("self")
+            if (
+                isinstance(scaler, torch.amp.GradScaler)
+                and not isinstance(scaler, ShardedGradScaler)
+                and scaler.is_enabled()
+            ):
+                raise StrategyError(
+                    f"distune.prepare: under ZeRO stage {stage} (FSDP) each rank holds a shard "
+                    "of the gradients, and torch.amp.GradScaler checks only its own rank's "
+                    "shard for inf/NaN: ranks would skip different steps and train different "
+                    "models. Use torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler "
+                    "(the same API; it agrees over the ranks, under every stage), or pin "
+                    "zero_optimization.stage to 0 or 1 in the level-2 config"
+                )
+            return
+        if frame.f_back is None:
+            return
+        frame = frame.f_back
 
 
 class ShardedModuleGuard:
