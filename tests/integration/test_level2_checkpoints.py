@@ -17,6 +17,7 @@ import torch
 from ddp_launch import run_job, worker_main
 from test_level2_strategies import Net
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
 
 import distune
 from distune.trial_settings import ACCUMULATION, BF16, CHECKPOINTING, MICRO_BATCH, ZERO_STAGE
@@ -94,16 +95,36 @@ def a_checkpoint_saved_once_resumes_on_every_rank(out: Path) -> dict:
             torch.save({"model": model_state, "optimizer": optimizer_state}, path)
         torch.distributed.barrier()
         reference_state = reference_state or optimizer_state  # ddp's, the first stage
-        resumed = prepared(stage, seed=1)
         saved = torch.load(path, weights_only=True)
+        # Before any run loads it: a loaded state's tensors become the optimizer's (torch's).
+        torchs = torchs_own_calls(run, stage, saved, first) if stage > 0 else {}
+        resumed = prepared(stage, seed=1)
         resumed.model.load_state_dict(saved["model"])
         resumed.optimizer.load_state_dict(saved["optimizer"])
         results[f"zero{stage}"] = {
             "uninterrupted": uninterrupted,
             "resumed": [*first, step(resumed, 2), step(resumed, 3)],
             "state is ddp's": same_state(optimizer_state, reference_state),
+            **torchs,
         }
     return results
+
+
+def torchs_own_calls(run: distune.Prepared, stage: int, saved: dict, first: list) -> dict:
+    """torch's own ways to the whole optimizer state still work on run.optimizer (as the
+    ``saved`` checkpoint holds it): ZeRO-1's ``consolidate_state_dict`` on every rank, then
+    ``state_dict()`` on rank 0 alone; FSDP's ``optim_state_dict`` (keyed by name), which a
+    fresh run then resumes from."""
+    if stage == 1:
+        run.optimizer.consolidate_state_dict(to=0)
+        if torch.distributed.get_rank() > 0:
+            return {}
+        return {"torch's own is ours": same_state(run.optimizer.state_dict(), saved["optimizer"])}
+    named = FullyShardedDataParallel.optim_state_dict(run.model, run.optimizer)
+    resumed = prepared(stage, seed=1)
+    resumed.model.load_state_dict(saved["model"])
+    resumed.optimizer.load_state_dict(named)
+    return {"resumed from torch's own": [*first, step(resumed, 2), step(resumed, 3)]}
 
 
 @scenario
@@ -138,6 +159,14 @@ def test_a_checkpoint_saved_once_resumes_on_every_rank_as_if_never_stopped(tmp_p
                 result["resumed"], result["uninterrupted"], rtol=1e-5, atol=1e-6, msg=stage
             )
             assert result["state is ddp's"], stage
+            if "resumed from torch's own" in result:
+                torch.testing.assert_close(
+                    result["resumed from torch's own"],
+                    result["uninterrupted"],
+                    rtol=1e-5,
+                    atol=1e-6,
+                )
+        assert results[0]["zero1"]["torch's own is ours"]
 
 
 def test_a_rank_0_only_state_dict_under_zero3_fails_in_seconds_naming_the_fix(tmp_path):

@@ -216,17 +216,39 @@ def whole_fsdp_optimizer(
     _patch(optimizer, state_dict, load_state_dict)
 
 
+class ScriptConsolidated:
+    """Whether the script consolidated a ZeroRedundancyOptimizer's state itself since its last
+    step (a flag the optimizer's step clears)."""
+
+    def __init__(self) -> None:
+        self.since_step = False
+
+    def stepped(self, *_: Any) -> None:
+        """An optimizer step post-hook: the consolidated state is stale now."""
+        self.since_step = False
+
+
 def whole_zero_optimizer(
     optimizer: ZeroRedundancyOptimizer, check: RankCheck, device: torch.device
 ) -> None:
     """Make a ZeroRedundancyOptimizer's ``state_dict()`` the whole state on every rank: torch's
     ``consolidate_state_dict(to=0)`` (which the script would have to call on every rank first)
-    and rank 0's whole state sent to the others, as DDP's optimizer gives it on every rank."""
+    and rank 0's whole state sent to the others, as DDP's optimizer gives it on every rank.
+    A script that follows torch's own protocol (``consolidate_state_dict`` on every rank, then
+    ``state_dict()`` on the rank it consolidated to) gets torch's answer, until its next step."""
     own_state_dict, own_load = optimizer.state_dict, optimizer.load_state_dict
+    own_consolidate = optimizer.consolidate_state_dict
+    consolidated_by_script = ScriptConsolidated()
+
+    def consolidate_state_dict(to: int = 0) -> None:
+        own_consolidate(to)
+        consolidated_by_script.since_step = True
 
     def state_dict() -> dict[str, Any]:
+        if consolidated_by_script.since_step:
+            return own_state_dict()
         check.enter(OPTIMIZER_STATE)
-        optimizer.consolidate_state_dict(to=0)
+        own_consolidate(to=0)
         first = dist.get_rank(check.group) == 0
         if first:
             whole = own_state_dict()
@@ -243,4 +265,6 @@ def whole_zero_optimizer(
         # other ranks' entries of the dict it is given.
         own_load({**state, "state": dict(state["state"])})
 
+    optimizer.consolidate_state_dict = consolidate_state_dict  # type: ignore[method-assign]
+    optimizer.register_step_post_hook(consolidated_by_script.stepped)
     _patch(optimizer, state_dict, load_state_dict)
