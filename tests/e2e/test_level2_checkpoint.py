@@ -41,7 +41,7 @@ def test_a_rank_0_only_save_under_zero3_ends_the_job_in_seconds_naming_the_fix(l
     assert "rank 0: training under zero3" in run.output
     assert (
         "CheckpointCallError: distune: run.model.state_dict() under ZeRO stage 3 (FSDP) is a "
-        "collective that gathers every rank's shard, and not every rank called it within 3 s"
+        "collective over every rank's shard, and not every rank made the call (waited up to 3 s"
     ) in run.output
     assert "call run.model.state_dict() on every rank" in run.output
     assert "rank 1: done" not in run.output  # rank 1 did not train on alone

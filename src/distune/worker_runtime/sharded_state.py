@@ -92,18 +92,22 @@ class RankCheck:
         torch_says = str(error).strip().splitlines()[0] if str(error).strip() else "no answer"
         return (
             f"distune: {call} under ZeRO stage {self.stage} ({_STAGES[self.stage]}) is a "
-            f"collective that gathers every rank's shard, and not every rank called it within "
-            f"{seconds:g} s ({torch_says}): {self._advice(call)}. (distune.prepare's "
-            "checkpoint_timeout sets how long the ranks wait for each other here.)"
+            f"collective over every rank's shard, and not every rank made the call (waited up "
+            f"to {seconds:g} s; torch: {torch_says}): {self._advice(call)}. (distune.prepare's "
+            "checkpoint_timeout sets how long the ranks wait for each other here; after this "
+            "error every later state-dict call of this run fails too.)"
         )
 
     def _advice(self, call: str) -> str:
         stages = "0 or 1" if call in (MODEL_STATE, MODEL_LOAD) else "0"
-        return (
-            f"call {call} on every rank (a rank-0-only `if rank == 0: torch.save({call}, ...)` "
-            f"would hang the job) and save on rank 0 only, or pin zero_optimization.stage to "
-            f"{stages} in the level-2 config"
-        )
+        if call in (MODEL_LOAD, OPTIMIZER_LOAD):
+            how = f"call {call} on every rank, each with the whole state (read the file on each)"
+        else:
+            how = (
+                f"call {call} on every rank (a rank-0-only `if rank == 0: torch.save({call}, "
+                "...)` would hang the job) and write the file on rank 0 only"
+            )
+        return f"{how}, or pin zero_optimization.stage to {stages} in the level-2 config"
 
 
 def _from_torch_distributed() -> bool:
