@@ -3,12 +3,13 @@
 Under ZeRO-2 and ZeRO-3 (torch FSDP) ``run.model.state_dict()`` and ``load_state_dict()`` are
 collectives: they gather (or scatter) every rank's shards. So is the whole optimizer state under
 ZeRO-1 to 3. A script written for DDP calls them on rank 0 only (``if rank == 0:
-torch.save(...)``) while the other ranks go on into training's collectives, and rank 0 waits
-until the process group's time-out (30 minutes by default). Here each of those calls first
-meets the other ranks at a monitored barrier of a gloo group of its own (CPU, whatever the
-training backend), with a time-out of its own (``checkpoint_timeout``): where a rank is missing,
-or is making another of these calls, it fails in seconds, naming the call and the fix. When
-every rank calls it, the barrier passes at once and torch's own collective runs.
+torch.save(...)``) while the other ranks go on into training's collectives, which rank 0's then
+meet: a wait until the process group's time-out (30 minutes by default), an abort on mismatched
+sizes, or a silent pairing. Here each of those calls first meets the other ranks at a monitored
+barrier of a gloo group of its own (CPU, whatever the training backend), with a time-out of its
+own (``checkpoint_timeout``): where a rank is missing, or is making another of these calls, it
+fails within that time, naming the call and the fix. When every rank calls it, the barrier
+passes at once and torch's own collective runs.
 
 ``run.optimizer.state_dict()`` gives the whole state in torch's own format (parameters numbered
 in the optimizer's order), on every rank and under every stage, so a checkpoint resumes under
@@ -37,7 +38,7 @@ from distune.errors import DistuneError
 
 #: Seconds the ranks wait for each other at a checkpoint call before failing (distune.prepare's
 #: ``checkpoint_timeout``): long enough for ranks that all call it, a rank writing its last file
-#: first; short enough that a rank-0-only call fails in seconds, not the process group's 30 min.
+#: first; short enough that a rank-0-only call fails in a minute, not the process group's 30.
 DEFAULT_CHECKPOINT_TIMEOUT = 60.0
 
 MODEL_STATE = "run.model.state_dict()"
