@@ -52,8 +52,9 @@ class UnsupportedModuleError(DistuneError, ValueError):
     """A module, or a use of it, that torch's DDP accepts but distune cannot average as torch
     does (sparse embeddings, a DDP wrapper nested inside, ``join()`` under a model-averaging
     algorithm or with ``divide_by_initial_world_size=False``, ZeroRedundancyOptimizer's
-    overlap hooks, a ``grad_dtype`` other than the parameter's, SyncBatchNorm on CPU); the
-    message names it and the way out."""
+    overlap hooks, a ``grad_dtype`` other than the parameter's, SyncBatchNorm on CPU, or one
+    torch refuses with a less helpful error: tensors on the meta device); the message names it
+    and the way out."""
 
 
 #: The module of torch's comm hooks that overlap ZeroRedundancyOptimizer with torch's reducer.
@@ -595,8 +596,8 @@ def _trainable(module: nn.Module, ignored: frozenset[str]) -> list[tuple[str, nn
     """The parameters averaged: trainable and not ignored, each once (shared ones too).
 
     Refused here, before any collective, as torch refuses them: a module with nothing to
-    average, uninitialized (lazy) parameters, and sparse embeddings (distune's buckets are
-    dense)."""
+    average, uninitialized (lazy) parameters, parameters or buffers on the meta device, and
+    sparse embeddings (distune's buckets are dense)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "distune.DistributedDataParallel needs torch.distributed to be initialized: call "
@@ -610,6 +611,7 @@ def _trainable(module: nn.Module, ignored: frozenset[str]) -> list[tuple[str, nn
             f"parameters {lazy[:5]} are uninitialized (lazy modules): run a forward through "
             "the module once before wrapping it, as torch DDP requires"
         )
+    _refuse_meta(module, ignored)
     _refuse_sparse(module, ignored)
     _refuse_nested(module)
     _refuse_grad_dtype(named)
@@ -619,6 +621,19 @@ def _trainable(module: nn.Module, ignored: frozenset[str]) -> list[tuple[str, nn
             "average, so it needs no DistributedDataParallel"
         )
     return named
+
+
+def _refuse_meta(module: nn.Module, ignored: frozenset[str]) -> None:
+    # torch's DDP fails on them at construction too. Wrapped, they would be replaced by
+    # to_empty() (then not averaged: the next forward raises), or never hold a value at all.
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    meta = [name for name, tensor in tensors if tensor.is_meta and name not in ignored]
+    if meta:
+        raise UnsupportedModuleError(
+            f"parameters or buffers {meta[:5]} are on the meta device (not materialised): "
+            "materialise the module before wrapping it (module.to_empty(device=...), then "
+            "initialise or load its weights), as torch's DDP requires"
+        )
 
 
 def _refuse_nested(module: nn.Module) -> None:

@@ -367,6 +367,17 @@ def test_lazy_modules_are_refused_before_their_first_forward(world):
         distune.DistributedDataParallel(nn.Sequential(nn.LazyLinear(4)))
 
 
+def test_modules_on_the_meta_device_are_refused_naming_the_tensors(world):
+    # torch's DDP fails too ("Tensor.item() cannot be called on meta tensors"); wrapped, the
+    # module was replaced by to_empty() and the next forward raised about added parameters.
+    with pytest.raises(UnsupportedModuleError, match=r"\['weight', 'bias'\] are on the meta"):
+        distune.DistributedDataParallel(nn.Linear(4, 4, device="meta"))
+    module = nn.BatchNorm1d(4)
+    module.register_buffer("extra", torch.empty(2, device="meta"))
+    with pytest.raises(UnsupportedModuleError, match=r"\['extra'\] .*to_empty\(device="):
+        distune.DistributedDataParallel(module)
+
+
 def test_ignored_parameters_are_not_averaged(world):
     module = mlp()
     TorchDDP._set_params_and_buffers_to_ignore_for_model(module, ["3.weight", "3.bias"])
