@@ -408,10 +408,13 @@ def test_join_refuses_model_averaging_algorithms(world):
 
 def test_parameters_on_two_devices_are_refused_as_torch_refuses_them(world):
     module = mlp()
-    module[3].to("meta")
-    for wrapper in (distune.DistributedDataParallel, TorchDDP):
-        with pytest.raises(ValueError, match=r"cpu.*meta|meta.*cpu"):
-            wrapper(module)
+    module[3].to("meta")  # the only second device on a CPU machine
+    with pytest.raises(ValueError, match=r"cpu.*meta|meta.*cpu"):
+        TorchDDP(module)
+    with pytest.raises(ValueError, match=r"one device, found \['cpu', 'meta'\]"):
+        TorchDDPArguments.bind(module, (), {}, list(module.parameters()), None)
+    with pytest.raises(UnsupportedModuleError, match="on the meta device"):  # said first
+        distune.DistributedDataParallel(module)
 
 
 def test_nested_wrappers_are_refused_at_construction(world):
