@@ -133,9 +133,11 @@ def test_level_0_starts_no_service(launch):
 def test_config_fixing_every_knob_runs_without_service(launch, tmp_path):
     config = tmp_path / "fixed.yaml"
     config.write_text("autotune_level: 1\nbucket_size: 131072\n")
+    # torchrun's --virtual-local-rank gives every worker LOCAL_RANK=0: the wrapper still runs.
     run = launch(
-        ["--nproc_per_node", "2", "--autotune_config", str(config), *SMALL_MLP, "--seconds", "4"]
-    )
+        ["--nproc_per_node", "2", "--virtual-local-rank", "--autotune_config", str(config),
+         *SMALL_MLP, "--seconds", "4"]
+    )  # fmt: skip
     assert run.wait(timeout=60) == 0, run.output
     groups = [line.split("(", 1)[1] for line in run.output.splitlines() if line.startswith("step ")]
     assert groups and all(group == "bucket 2^17 B (128 KiB), flat)" for group in groups)
