@@ -154,7 +154,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.topology = self._discover_topology()
         settings = WorkerSettings.from_env()
         start = self._plan_start(named, arguments.bucket_size, hierarchical, settings)
-        hyperparameters = agree_on_model(process_group, named, start.space.default)
+        # An algorithm that uses neither knob has nothing to tune.
+        tuning = settings.tuning and (algorithm.uses_bucket_size or algorithm.uses_hierarchical)
+        agreement = agree_on_model(process_group, named, start.space.default, tuning)
+        hyperparameters, tuning = agreement.hyperparameters, agreement.tuning
         if arguments.init_sync:
             broadcast_module_state(self._state_tensors(arguments.init_sync_buffers), process_group)
         process_groups = (
@@ -164,8 +167,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
         self._start_averaging(named)
         self._attach_runtime(named, hyperparameters, process_groups, algorithm)
-        # An algorithm that uses neither knob has nothing to tune.
-        tuning = settings.tuning and (algorithm.uses_bucket_size or algorithm.uses_hierarchical)
         if tuning:
             self._start_tuning(settings, start, hyperparameters)
         self._log_start(len(named), start, tuning)
