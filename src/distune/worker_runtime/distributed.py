@@ -50,11 +50,11 @@ logger = logging.getLogger(__name__)
 
 class UnsupportedModuleError(DistuneError, ValueError):
     """A module, or a use of it, that torch's DDP accepts but distune cannot average as torch
-    does (sparse embeddings, a DDP wrapper nested inside, ``join()`` under a model-averaging
-    algorithm or with ``divide_by_initial_world_size=False``, ZeroRedundancyOptimizer's
-    overlap hooks, a ``grad_dtype`` other than the parameter's, SyncBatchNorm on CPU, or one
-    torch refuses with a less helpful error: tensors on the meta device); the message names it
-    and the way out."""
+    does (sparse embeddings, a DDP wrapper nested inside, torch's DDP around it averaging the
+    same parameters, ``join()`` under a model-averaging algorithm or with
+    ``divide_by_initial_world_size=False``, ZeroRedundancyOptimizer's overlap hooks, a
+    ``grad_dtype`` other than the parameter's, SyncBatchNorm on CPU, or one torch refuses with
+    a less helpful error: tensors on the meta device); the message names it and the way out."""
 
 
 #: The module of torch's comm hooks that overlap ZeroRedundancyOptimizer with torch's reducer.
@@ -433,6 +433,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         reducer = self._runtime() if grad_enabled else None
         if reducer is not None:
             reducer.check_module(self.module)
+            _refuse_outer_torch_ddp(reducer)
             if not self._in_backward_checked:
                 self._take_over_in_backward_optimizers(reducer)
             if self._averager is not None:
@@ -635,6 +636,29 @@ def _refuse_meta(module: nn.Module, ignored: frozenset[str]) -> None:
             "materialise the module before wrapping it (module.to_empty(device=...), then "
             "initialise or load its weights), as torch's DDP requires"
         )
+
+
+def _refuse_outer_torch_ddp(reducer: Reducer) -> None:
+    """Refuse a forward that torch's DDP runs (``model = DDP(distune_model)``, or a framework
+    that wraps whatever it is given: Accelerate, Lightning, Hugging Face's Trainer) when that
+    DDP averages parameters this wrapper averages too: the two engines would each average
+    them, racing (on 2 gloo ranks some gradients came out halved). torch sets the DDP whose
+    forward is running; one that ignores these parameters (TorchRec's nesting) is fine."""
+    outer = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
+    if outer is None:
+        return
+    ours = {id(p) for p in reducer.params}
+    ignored = getattr(outer, "parameters_to_ignore", set())
+    for name, param in outer.module.named_parameters():
+        if id(param) in ours and param.requires_grad and name not in ignored:
+            raise UnsupportedModuleError(
+                f"this distune.DistributedDataParallel runs inside torch's "
+                f"DistributedDataParallel, which averages its parameters too ({name!r}): "
+                "both would average every gradient, racing each other. Wrap the model once: "
+                "give a framework that wraps models itself (Accelerate's prepare, Lightning's "
+                "DDP strategy, Hugging Face's Trainer) the bare model (.module), or use "
+                "distune's wrapper alone"
+            )
 
 
 def _refuse_nested(module: nn.Module) -> None:

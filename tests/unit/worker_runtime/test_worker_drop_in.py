@@ -367,6 +367,22 @@ def test_lazy_modules_are_refused_before_their_first_forward(world):
         distune.DistributedDataParallel(nn.Sequential(nn.LazyLinear(4)))
 
 
+def test_torchs_ddp_around_the_wrapper_is_refused_unless_it_ignores_its_parameters(world):
+    # torch's DDP over distune's (what Accelerate or Lightning do with a wrapped model): both
+    # averaged every gradient; on 2 gloo ranks some came out halved, silently.
+    outer = TorchDDP(distune.DistributedDataParallel(mlp()))
+    with pytest.raises(UnsupportedModuleError, match=r"runs inside torch's Distributed.*\.module"):
+        outer(torch.randn(3, 16))
+    with torch.no_grad():  # nothing averaged: nothing to refuse
+        outer(torch.randn(3, 16))
+    # TorchRec's way: the outer DDP ignores the inner wrapper's parameters.
+    module = nn.Sequential(distune.DistributedDataParallel(mlp()), nn.Linear(4, 2))
+    TorchDDP._set_params_and_buffers_to_ignore_for_model(
+        module, [n for n, _ in module.named_parameters() if n.startswith("0.")]
+    )
+    TorchDDP(module)(torch.randn(3, 16)).sum().backward()
+
+
 def test_modules_on_the_meta_device_are_refused_naming_the_tensors(world):
     # torch's DDP fails too ("Tensor.item() cannot be called on meta tensors"); wrapped, the
     # module was replaced by to_empty() and the next forward raised about added parameters.
