@@ -648,7 +648,7 @@ def _refuse_outer_torch_ddp(reducer: Reducer) -> None:
     if outer is None:
         return
     ours = {id(p) for p in reducer.params}
-    ignored = getattr(outer, "parameters_to_ignore", set())
+    ignored: set[str] = getattr(outer, "parameters_to_ignore", set())
     for name, param in outer.module.named_parameters():
         if id(param) in ours and param.requires_grad and name not in ignored:
             raise UnsupportedModuleError(
