@@ -125,8 +125,9 @@ def agree_on_model(
         )
     if tuning != reference_tuning:
         logger.warning(
-            "this rank would %s but rank 0 %s (launched with other --autotune_* flags or "
-            "DISTUNE_* settings?): following rank 0, as every rank must",
+            "this rank would %s but rank 0 %s (its node launched with other flags, such as "
+            "--autotune_level or --nproc_per_node, or other DISTUNE_* settings?): following "
+            "rank 0, as every rank must",
             "tune the model" if tuning else "not tune the model",
             "tunes it" if reference_tuning else "does not",
         )
