@@ -53,8 +53,9 @@ class UnsupportedModuleError(DistuneError, ValueError):
     does (sparse embeddings, a DDP wrapper nested inside, torch's DDP around it averaging the
     same parameters, ``join()`` under a model-averaging algorithm or with
     ``divide_by_initial_world_size=False``, ZeroRedundancyOptimizer's overlap hooks, a
-    ``grad_dtype`` other than the parameter's, SyncBatchNorm on CPU, or one torch refuses with
-    a less helpful error: tensors on the meta device); the message names it and the way out."""
+    ``grad_dtype`` other than the parameter's, SyncBatchNorm on CPU, DTensor parameters, or
+    one torch refuses with a less helpful error: tensors on the meta device); the message
+    names it and the way out."""
 
 
 #: The module of torch's comm hooks that overlap ZeroRedundancyOptimizer with torch's reducer.
@@ -598,8 +599,8 @@ def _trainable(module: nn.Module, ignored: frozenset[str]) -> list[tuple[str, nn
     """The parameters averaged: trainable and not ignored, each once (shared ones too).
 
     Refused here, before any collective, as torch refuses them: a module with nothing to
-    average, uninitialized (lazy) parameters, parameters or buffers on the meta device, and
-    sparse embeddings (distune's buckets are dense)."""
+    average, uninitialized (lazy) parameters, parameters or buffers on the meta device,
+    DTensor parameters, and sparse embeddings (distune's buckets are dense)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "distune.DistributedDataParallel needs torch.distributed to be initialized: call "
@@ -614,6 +615,7 @@ def _trainable(module: nn.Module, ignored: frozenset[str]) -> list[tuple[str, nn
             "the module once before wrapping it, as torch DDP requires"
         )
     _refuse_meta(module, ignored)
+    _refuse_dtensors(named)
     _refuse_sparse(module, ignored)
     _refuse_nested(module)
     _refuse_grad_dtype(named)
@@ -658,6 +660,23 @@ def _refuse_outer_torch_ddp(reducer: Reducer) -> None:
                 "give a framework that wraps models itself (Accelerate's prepare, Lightning's "
                 "DDP strategy, Hugging Face's Trainer) the bare model (.module), or use "
                 "distune's wrapper alone"
+            )
+
+
+def _refuse_dtensors(named: list[tuple[str, nn.Parameter]]) -> None:
+    # Tensor-parallel or FSDP2-sharded parameters: the construction broadcast failed on them
+    # with DTensor's "c10d.broadcast_.default does not have a sharding strategy registered".
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.4
+        from torch.distributed._tensor import DTensor
+    for name, param in named:
+        if isinstance(param, DTensor):
+            raise UnsupportedModuleError(
+                f"parameter {name!r} is a DTensor (tensor parallelism or FSDP2 sharding): "
+                "distune's buckets average plain tensors. For data parallelism over "
+                "tensor-parallel shards use torch's DistributedDataParallel with "
+                "device_mesh=mesh['dp'] (torch's 2-D recipe)"
             )
 
 

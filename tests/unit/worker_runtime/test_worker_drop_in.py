@@ -383,6 +383,19 @@ def test_torchs_ddp_around_the_wrapper_is_refused_unless_it_ignores_its_paramete
     TorchDDP(module)(torch.randn(3, 16)).sum().backward()
 
 
+def test_dtensor_parameters_are_refused_naming_torchs_recipe(world):
+    # Tensor-parallel (or FSDP2) parameters: the construction broadcast failed in DTensor.
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    module = mlp()
+    module[3].weight = nn.Parameter(
+        distribute_tensor(module[3].weight.detach(), mesh, [Replicate()])
+    )
+    with pytest.raises(UnsupportedModuleError, match=r"'3.weight' is a DTensor.*device_mesh"):
+        distune.DistributedDataParallel(module)
+
+
 def test_modules_on_the_meta_device_are_refused_naming_the_tensors(world):
     # torch's DDP fails too ("Tensor.item() cannot be called on meta tensors"); wrapped, the
     # module was replaced by to_empty() and the next forward raised about added parameters.
