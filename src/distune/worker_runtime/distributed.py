@@ -668,7 +668,7 @@ def _refuse_dtensors(named: list[tuple[str, nn.Parameter]]) -> None:
     # with DTensor's "c10d.broadcast_.default does not have a sharding strategy registered".
     try:
         from torch.distributed.tensor import DTensor
-    except ImportError:  # torch < 2.4
+    except ImportError:  # an older torch, where it was private
         from torch.distributed._tensor import DTensor
     for name, param in named:
         if isinstance(param, DTensor):
