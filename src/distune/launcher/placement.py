@@ -193,8 +193,8 @@ def _check_store_port(
     """The service's port must not be the rendezvous store's on the same host: whichever
     starts second fails (torch's with a traceback, after the service has started)."""
     store = _store_endpoint(args, placement.multi_node)
-    if store is None or placement.port != store[1]:
-        return
+    if store is None or placement.port == 0 or placement.port != store[1]:
+        return  # port 0: a free port each, picked as they start
     # On one node the store listens on every interface; on several, compare the addresses.
     if placement.multi_node and not _addresses(store[0]) & _addresses(placement.host):
         return

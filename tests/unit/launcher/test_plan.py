@@ -180,6 +180,7 @@ def test_a_service_port_that_is_the_rendezvous_stores_is_refused(monkeypatch):
     for flags in (
         ("--autotune_service_port", "29500"),  # one node: torch picks a free store port
         ("--standalone", "--autotune_service_port", "29400"),
+        ("--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"),  # both pick free ports
         ("--nnodes", "2", "--master_addr", "127.0.0.1", "--master_port", "29555",
          "--autotune_service_addr", "http://192.0.2.10:29555"),  # another host
     ):  # fmt: skip
