@@ -383,6 +383,17 @@ def test_torchs_ddp_around_the_wrapper_is_refused_unless_it_ignores_its_paramete
     TorchDDP(module)(torch.randn(3, 16)).sum().backward()
 
 
+def test_backward_with_create_graph_is_refused_naming_the_way_out(world):
+    # torch's DDP fails at the same point with "a leaf Variable that requires grad is being
+    # used in an in-place operation", as distune's bucket copy did.
+    model = distune.DistributedDataParallel(mlp())
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # autograd's own about create_graph
+        with pytest.raises(ReductionError, match=r"create_graph=True.*torch\.autograd\.grad"):
+            model(x).pow(2).sum().backward(create_graph=True)
+
+
 def test_dtensor_parameters_are_refused_naming_torchs_recipe(world):
     # Tensor-parallel (or FSDP2) parameters: the construction broadcast failed in DTensor.
     from torch.distributed.tensor import Replicate, distribute_tensor
