@@ -396,7 +396,10 @@ def test_backward_with_create_graph_is_refused_naming_the_way_out(world):
 
 def test_dtensor_parameters_are_refused_naming_torchs_recipe(world):
     # Tensor-parallel (or FSDP2) parameters: the construction broadcast failed in DTensor.
-    from torch.distributed.tensor import Replicate, distribute_tensor
+    try:
+        from torch.distributed.tensor import Replicate, distribute_tensor
+    except ImportError:  # an older torch, where it was private
+        from torch.distributed._tensor import Replicate, distribute_tensor
 
     mesh = init_device_mesh("cpu", (1,))
     module = mlp()
