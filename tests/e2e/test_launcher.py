@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import requests
+from torch.distributed.run import get_args_parser
 
 from tests.support.launcher_process import FAST_TUNING, isolated_rendezvous, processes_with
 from tests.support.local_host import port_is_free
@@ -18,6 +19,8 @@ from .conftest import SCRIPTS, SMALL_MLP
 
 pytestmark = pytest.mark.slow
 
+#: The installed torchrun's flags.
+TORCHRUN_FLAGS = set(get_args_parser()._option_string_actions)
 BAGUA_COLUMNS = ["bucket_size_2p", "is_hierarchical_reduce", "score", "train_iter"]
 TOKEN = "e2e-secret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -133,9 +136,13 @@ def test_level_0_starts_no_service(launch):
 def test_config_fixing_every_knob_runs_without_service(launch, tmp_path):
     config = tmp_path / "fixed.yaml"
     config.write_text("autotune_level: 1\nbucket_size: 131072\n")
+    # torchrun's --virtual-local-rank (newer torch) gives every worker LOCAL_RANK=0: the
+    # wrapper still runs.
+    virtual = [flag for flag in ["--virtual-local-rank"] if flag in TORCHRUN_FLAGS]
     run = launch(
-        ["--nproc_per_node", "2", "--autotune_config", str(config), *SMALL_MLP, "--seconds", "4"]
-    )
+        ["--nproc_per_node", "2", *virtual, "--autotune_config", str(config),
+         *SMALL_MLP, "--seconds", "4"]
+    )  # fmt: skip
     assert run.wait(timeout=60) == 0, run.output
     groups = [line.split("(", 1)[1] for line in run.output.splitlines() if line.startswith("step ")]
     assert groups and all(group == "bucket 2^17 B (128 KiB), flat)" for group in groups)

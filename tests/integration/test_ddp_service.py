@@ -29,6 +29,8 @@ WARNING = "tuning service at"
 def train(out: Path) -> dict:
     """``STEPS`` steps of a small MLP, a few milliseconds each; the record of every step."""
     steps = int(os.environ["TEST_STEPS"])
+    if os.environ.get("TEST_UNTUNED_RANK") == os.environ["RANK"]:
+        os.environ["DISTUNE_AUTOTUNE_LEVEL"] = "0"  # a node launched with other flags
     torch.manual_seed(0)
     # 4 * (32*256 + 256 + 256*256 + 256 + 256*8 + 8) bytes: a space of 2^16..2^19.
     model = distune.DistributedDataParallel(
@@ -91,13 +93,21 @@ def service(start_service):
 
 
 def test_a_real_service_tunes_the_job_in_lockstep(service, tmp_path):
+    # Rank 1 is told not to tune (its node launched at --autotune_level 0): it follows rank 0.
+    # Before, it skipped the sync points' collective and the ranks' collectives went out of
+    # step: gloo timed out (or paired a sync point with a gradient bucket).
     url = service.url
-    results = run_job(__file__, "train", tmp_path / "job", env=tuning_env(url, 700), timeout=120)
+    env = {**tuning_env(url, 700), "TEST_UNTUNED_RANK": "1"}
+    results = run_job(__file__, "train", tmp_path / "job", env=env, timeout=120)
     records = assert_lockstep(results)
     status = requests.get(f"{url}/api/v1/status", timeout=5).json()["models"]["model0"]
     assert status["samples"] >= 2, status
     assert switches(records), "the service's groups were never applied"
     assert (tmp_path / "job" / "rank0.err").read_text().count(WARNING) == 0
+    assert (
+        "this rank would not tune the model but rank 0 tunes it"
+        in (tmp_path / "job" / "rank1.err").read_text()
+    )
 
 
 def kill_once_sampling(url: str, proc: subprocess.Popen[str], deadline: float) -> None:

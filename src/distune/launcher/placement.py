@@ -173,8 +173,57 @@ def _configured_host(args: argparse.Namespace) -> bool | None:
         raise OptionError(f"--rdzv_conf {args.rdzv_conf!r}: {error}") from None
 
 
+def _store_endpoint(args: argparse.Namespace, multi_node: bool) -> tuple[str, int] | None:
+    """Where torch's rendezvous store listens when the command line fixes it (static or c10d
+    rendezvous); None where torch picks a free port (``--standalone``, one node without
+    ``--master_port``) or another backend keeps its own store."""
+    if args.standalone or args.rdzv_backend not in ("static", "c10d"):
+        return None
+    if args.rdzv_backend == "static" and not args.rdzv_endpoint:
+        if args.master_port is None and not multi_node:
+            return None
+        return args.master_addr, args.master_port or DEFAULT_MASTER_PORT
+    default = DEFAULT_MASTER_PORT if args.rdzv_backend == "static" else DEFAULT_C10D_PORT
+    return _split_endpoint(args.rdzv_endpoint, default)
+
+
+def _check_store_port(
+    args: argparse.Namespace, placement: ServicePlacement, options: AutotuneOptions
+) -> None:
+    """The service's port must not be the rendezvous store's on the same host: whichever
+    starts second fails (torch's with a traceback, after the service has started)."""
+    store = _store_endpoint(args, placement.multi_node)
+    if store is None or placement.port == 0 or placement.port != store[1]:
+        return  # port 0: a free port each, picked as they start
+    # On one node the store listens on every interface; on several, compare the addresses.
+    if placement.multi_node and not _addresses(store[0]) & _addresses(placement.host):
+        return
+    flag = (
+        f"--autotune_service_addr {options.autotune_service_addr}"
+        if options.autotune_service_addr
+        else f"--autotune_service_port {placement.port}"
+    )
+    source = (
+        "--rdzv_endpoint"
+        if args.rdzv_endpoint
+        else "--master_port"
+        if args.master_port
+        else "torch's default --master_port"
+    )
+    raise OptionError(
+        f"{flag}: port {placement.port} is the rendezvous store's ({source}), where torch "
+        "listens on the same host; give the tuning service another port"
+    )
+
+
 def place_service(args: argparse.Namespace, options: AutotuneOptions) -> ServicePlacement:
     """Decide this node's role from torchrun's rendezvous flags and the autotune options."""
+    placement = _placement(args, options)
+    _check_store_port(args, placement, options)
+    return placement
+
+
+def _placement(args: argparse.Namespace, options: AutotuneOptions) -> ServicePlacement:
     _, max_nodes = parse_min_max_nnodes(args.nnodes)
     multi_node = max_nodes > 1 and not args.standalone
     given = urlsplit(options.autotune_service_addr) if options.autotune_service_addr else None

@@ -6,9 +6,11 @@ abort at the first backward with a size mismatch inside gloo or NCCL. Here the r
 other's parameter list (name, shape, dtype) and starting group in one ``all_gather_object``;
 every rank reaches the same verdict from the same data, so all raise together or none does.
 
-The starting group can differ between ranks only through their environment (a
-``DISTUNE_BUCKET_SIZE`` set on one rank): rank 0's wins, with a warning on the ranks it
-overrides, since differing buckets would pair collectives of different sizes.
+The starting group, and whether the model tunes, can differ between ranks only through their
+environment (a ``DISTUNE_BUCKET_SIZE`` set on one rank, a node launched with other autotune
+flags): rank 0's wins, with a warning on the ranks it overrides, since differing buckets
+would pair collectives of different sizes, and a rank that skips the sync points' collective
+would pair another with it.
 
 Later, ``set_hyperparameters`` must be called by every rank with the same value, or the ranks'
 buckets differ: gloo then aborts the process at the next backward on a size mismatch that
@@ -78,19 +80,31 @@ def first_difference(
     return None
 
 
+@dataclass(frozen=True)
+class ModelAgreement:
+    """What every rank takes from rank 0 at construction."""
+
+    #: The starting group.
+    hyperparameters: Hyperparameters
+    #: Whether the model tunes itself (joins the sync points).
+    tuning: bool
+
+
 def agree_on_model(
     process_group: dist.ProcessGroup,
     named: Sequence[tuple[str, torch.Tensor]],
     start: Hyperparameters,
-) -> Hyperparameters:
+    tuning: bool,
+) -> ModelAgreement:
     """Check that every rank of ``process_group`` wraps parameters like this rank's; return
-    rank 0's starting group. A collective: every rank calls it, at construction."""
-    mine = (signatures(named), start.to_dict())
-    gathered: list[tuple[list[ParameterSignature], dict] | None] = [None] * dist.get_world_size(
-        process_group
-    )
+    rank 0's starting group and whether it tunes. A collective: every rank calls it, at
+    construction."""
+    mine = (signatures(named), start.to_dict(), tuning)
+    gathered: list[tuple[list[ParameterSignature], dict, bool] | None] = [
+        None
+    ] * dist.get_world_size(process_group)
     dist.all_gather_object(gathered, mine, group=process_group)
-    reference, reference_start = gathered[0]  # type: ignore[misc]
+    reference, reference_start, reference_tuning = gathered[0]  # type: ignore[misc]
     problems = []
     for rank, entry in enumerate(gathered[1:], start=1):
         difference = first_difference(entry[0], reference)  # type: ignore[index]
@@ -109,7 +123,15 @@ def agree_on_model(
             start.describe(),
             agreed.describe(),
         )
-    return agreed
+    if tuning != reference_tuning:
+        logger.warning(
+            "this rank would %s but rank 0 %s (its node launched with other flags, such as "
+            "--autotune_level or --nproc_per_node, or other DISTUNE_* settings?): following "
+            "rank 0, as every rank must",
+            "tune the model" if tuning else "not tune the model",
+            "tunes it" if reference_tuning else "does not",
+        )
+    return ModelAgreement(agreed, reference_tuning)
 
 
 def agree_on_switch(

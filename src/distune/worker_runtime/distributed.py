@@ -50,10 +50,12 @@ logger = logging.getLogger(__name__)
 
 class UnsupportedModuleError(DistuneError, ValueError):
     """A module, or a use of it, that torch's DDP accepts but distune cannot average as torch
-    does (sparse embeddings, a DDP wrapper nested inside, ``join()`` under a model-averaging
-    algorithm or with ``divide_by_initial_world_size=False``, ZeroRedundancyOptimizer's
-    overlap hooks, a ``grad_dtype`` other than the parameter's, SyncBatchNorm on CPU); the
-    message names it and the way out."""
+    does (sparse embeddings, a DDP wrapper nested inside, torch's DDP around it averaging the
+    same parameters, ``join()`` under a model-averaging algorithm or with
+    ``divide_by_initial_world_size=False``, ZeroRedundancyOptimizer's overlap hooks, a
+    ``grad_dtype`` other than the parameter's, SyncBatchNorm on CPU, DTensor parameters, or
+    one torch refuses with a less helpful error: tensors on the meta device); the message
+    names it and the way out."""
 
 
 #: The module of torch's comm hooks that overlap ZeroRedundancyOptimizer with torch's reducer.
@@ -153,7 +155,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.topology = self._discover_topology()
         settings = WorkerSettings.from_env()
         start = self._plan_start(named, arguments.bucket_size, hierarchical, settings)
-        hyperparameters = agree_on_model(process_group, named, start.space.default)
+        # An algorithm that uses neither knob has nothing to tune.
+        tuning = settings.tuning and (algorithm.uses_bucket_size or algorithm.uses_hierarchical)
+        agreement = agree_on_model(process_group, named, start.space.default, tuning)
+        hyperparameters, tuning = agreement.hyperparameters, agreement.tuning
         if arguments.init_sync:
             broadcast_module_state(self._state_tensors(arguments.init_sync_buffers), process_group)
         process_groups = (
@@ -163,8 +168,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
         self._start_averaging(named)
         self._attach_runtime(named, hyperparameters, process_groups, algorithm)
-        # An algorithm that uses neither knob has nothing to tune.
-        tuning = settings.tuning and (algorithm.uses_bucket_size or algorithm.uses_hierarchical)
         if tuning:
             self._start_tuning(settings, start, hyperparameters)
         self._log_start(len(named), start, tuning)
@@ -431,6 +434,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         reducer = self._runtime() if grad_enabled else None
         if reducer is not None:
             reducer.check_module(self.module)
+            _refuse_outer_torch_ddp(reducer)
             if not self._in_backward_checked:
                 self._take_over_in_backward_optimizers(reducer)
             if self._averager is not None:
@@ -595,8 +599,8 @@ def _trainable(module: nn.Module, ignored: frozenset[str]) -> list[tuple[str, nn
     """The parameters averaged: trainable and not ignored, each once (shared ones too).
 
     Refused here, before any collective, as torch refuses them: a module with nothing to
-    average, uninitialized (lazy) parameters, and sparse embeddings (distune's buckets are
-    dense)."""
+    average, uninitialized (lazy) parameters, parameters or buffers on the meta device,
+    DTensor parameters, and sparse embeddings (distune's buckets are dense)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "distune.DistributedDataParallel needs torch.distributed to be initialized: call "
@@ -610,6 +614,8 @@ def _trainable(module: nn.Module, ignored: frozenset[str]) -> list[tuple[str, nn
             f"parameters {lazy[:5]} are uninitialized (lazy modules): run a forward through "
             "the module once before wrapping it, as torch DDP requires"
         )
+    _refuse_meta(module, ignored)
+    _refuse_dtensors(named)
     _refuse_sparse(module, ignored)
     _refuse_nested(module)
     _refuse_grad_dtype(named)
@@ -619,6 +625,59 @@ def _trainable(module: nn.Module, ignored: frozenset[str]) -> list[tuple[str, nn
             "average, so it needs no DistributedDataParallel"
         )
     return named
+
+
+def _refuse_meta(module: nn.Module, ignored: frozenset[str]) -> None:
+    # torch's DDP fails on them at construction too. Wrapped, they would be replaced by
+    # to_empty() (then not averaged: the next forward raises), or never hold a value at all.
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    meta = [name for name, tensor in tensors if tensor.is_meta and name not in ignored]
+    if meta:
+        raise UnsupportedModuleError(
+            f"parameters or buffers {meta[:5]} are on the meta device (not materialised): "
+            "materialise the module before wrapping it (module.to_empty(device=...), then "
+            "initialise or load its weights), as torch's DDP requires"
+        )
+
+
+def _refuse_outer_torch_ddp(reducer: Reducer) -> None:
+    """Refuse a forward that torch's DDP runs (``model = DDP(distune_model)``, or a framework
+    that wraps whatever it is given: Accelerate, Lightning, Hugging Face's Trainer) when that
+    DDP averages parameters this wrapper averages too: the two engines would each average
+    them, racing (on 2 gloo ranks some gradients came out halved). torch sets the DDP whose
+    forward is running; one that ignores these parameters (TorchRec's nesting) is fine."""
+    outer = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
+    if outer is None:
+        return
+    ours = {id(p) for p in reducer.params}
+    ignored: set[str] = getattr(outer, "parameters_to_ignore", set())
+    for name, param in outer.module.named_parameters():
+        if id(param) in ours and param.requires_grad and name not in ignored:
+            raise UnsupportedModuleError(
+                f"this distune.DistributedDataParallel runs inside torch's "
+                f"DistributedDataParallel, which averages its parameters too ({name!r}): "
+                "both would average every gradient, racing each other. Wrap the model once: "
+                "give a framework that wraps models itself (Accelerate's prepare, Lightning's "
+                "DDP strategy, Hugging Face's Trainer) the bare model (.module), or use "
+                "distune's wrapper alone"
+            )
+
+
+def _refuse_dtensors(named: list[tuple[str, nn.Parameter]]) -> None:
+    # Tensor-parallel or FSDP2-sharded parameters: the construction broadcast failed on them
+    # with DTensor's "c10d.broadcast_.default does not have a sharding strategy registered".
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # an older torch, where it was private
+        from torch.distributed._tensor import DTensor
+    for name, param in named:
+        if isinstance(param, DTensor):
+            raise UnsupportedModuleError(
+                f"parameter {name!r} is a DTensor (tensor parallelism or FSDP2 sharding): "
+                "distune's buckets average plain tensors. For data parallelism over "
+                "tensor-parallel shards use torch's DistributedDataParallel with "
+                "device_mesh=mesh['dp'] (torch's 2-D recipe)"
+            )
 
 
 def _refuse_nested(module: nn.Module) -> None:

@@ -470,6 +470,15 @@ class Reducer:
                     f"parameter {self._names[index]!r} has a sparse gradient; distune averages "
                     "dense gradients only (use a dense embedding)"
                 )
+            if grad.requires_grad:
+                raise ReductionError(
+                    f"parameter {self._names[index]!r} has a gradient that carries a graph "
+                    "(backward(create_graph=True)), which the buckets cannot hold (torch's DDP "
+                    "fails too: 'a leaf Variable that requires grad is being used in an "
+                    "in-place operation'): take higher-order terms with "
+                    "torch.autograd.grad(..., create_graph=True) and call backward() without "
+                    "create_graph"
+                )
             self._into_bucket(index)
             self._mark_ready(index)
 

@@ -1,10 +1,11 @@
 """Which node every rank runs on, and the process groups hierarchical allreduce needs.
 
 The topology is gathered from the ranks themselves: each one contributes its node id
-(``GROUP_RANK``, which torchrun and ``distune-run`` set to the node's rank) and its ``LOCAL_RANK``.
-Nothing is inferred from hostnames. Where a launcher sets neither variable (``mp.spawn``, a
-hand-written launch), the job is taken to be one node, on which hierarchical allreduce is flat
-allreduce anyway.
+(``GROUP_RANK``, which torchrun and ``distune-run`` set to the node's rank) and its
+``LOCAL_RANK``, which only orders a node's ranks (torchrun's ``--virtual-local-rank`` gives
+every rank 0; the global rank breaks the tie). Nothing is inferred from hostnames. Where a
+launcher sets neither variable (``mp.spawn``, a hand-written launch), the job is taken to be
+one node, on which hierarchical allreduce is flat allreduce anyway.
 """
 
 from __future__ import annotations
@@ -39,12 +40,8 @@ class Topology:
     local_ranks: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        pairs = list(zip(self.nodes, self.local_ranks, strict=True))
-        if len(set(pairs)) != len(pairs):
-            raise TopologyError(
-                f"two ranks report the same ({NODE_VAR}, {LOCAL_RANK_VAR}): {pairs}; "
-                "each rank of a node needs its own LOCAL_RANK"
-            )
+        if len(self.nodes) != len(self.local_ranks):
+            raise ValueError("one node id and one local rank per rank")
 
     @property
     def world_size(self) -> int:
@@ -57,9 +54,10 @@ class Topology:
         return tuple(sorted(set(self.nodes)))
 
     def members(self, node: int) -> tuple[int, ...]:
-        """Group ranks on ``node``, by local rank (the first one is the node's leader)."""
+        """Group ranks on ``node``, by local rank, then rank (the first one is the node's
+        leader)."""
         ranks = [r for r in range(self.world_size) if self.nodes[r] == node]
-        return tuple(sorted(ranks, key=lambda r: self.local_ranks[r]))
+        return tuple(sorted(ranks, key=lambda r: (self.local_ranks[r], r)))
 
     @property
     def uniform(self) -> bool:

@@ -163,6 +163,30 @@ def test_multi_node_c10d_is_host_decides_where_nodes_share_a_machine(monkeypatch
         plan(*common, "--rdzv_conf", "is_host=maybe")
 
 
+def test_a_service_port_that_is_the_rendezvous_stores_is_refused(monkeypatch):
+    # The service started first and torch's store failed on EADDRINUSE with a traceback.
+    monkeypatch.setenv("DISTUNE_SERVICE_TOKEN", "s3cret")
+    level = ("--autotune_level", "1")
+    refused = {
+        ("--master_port", "29555", "--autotune_service_port", "29555"): "--master_port",
+        ("--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:29555",
+         "--autotune_service_port", "29555"): "--rdzv_endpoint",
+        ("--nnodes", "2", "--master_addr", "127.0.0.1", "--autotune_service_addr",
+         "http://localhost:29500"): "torch's default --master_port",
+    }  # fmt: skip
+    for flags, source in refused.items():
+        with pytest.raises(OptionError, match=rf"port \d+ is the rendezvous store's \({source}\)"):
+            plan(*flags, *level)
+    for flags in (
+        ("--autotune_service_port", "29500"),  # one node: torch picks a free store port
+        ("--standalone", "--autotune_service_port", "29400"),
+        ("--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"),  # both pick free ports
+        ("--nnodes", "2", "--master_addr", "127.0.0.1", "--master_port", "29555",
+         "--autotune_service_addr", "http://192.0.2.10:29555"),  # another host
+    ):  # fmt: skip
+        assert plan(*flags, *level).placement is not None
+
+
 def test_single_node_service_addr_must_be_local():
     with pytest.raises(OptionError, match="must be one of this machine's"):
         plan("--autotune_level", "1", "--autotune_service_addr", "http://192.0.2.10:31000")

@@ -367,6 +367,60 @@ def test_lazy_modules_are_refused_before_their_first_forward(world):
         distune.DistributedDataParallel(nn.Sequential(nn.LazyLinear(4)))
 
 
+def test_torchs_ddp_around_the_wrapper_is_refused_unless_it_ignores_its_parameters(world):
+    # torch's DDP over distune's (what Accelerate or Lightning do with a wrapped model): both
+    # averaged every gradient; on 2 gloo ranks some came out halved, silently.
+    outer = TorchDDP(distune.DistributedDataParallel(mlp()))
+    with pytest.raises(UnsupportedModuleError, match=r"runs inside torch's Distributed.*\.module"):
+        outer(torch.randn(3, 16))
+    with torch.no_grad():  # nothing averaged: nothing to refuse
+        outer(torch.randn(3, 16))
+    # TorchRec's way: the outer DDP ignores the inner wrapper's parameters.
+    module = nn.Sequential(distune.DistributedDataParallel(mlp()), nn.Linear(4, 2))
+    TorchDDP._set_params_and_buffers_to_ignore_for_model(
+        module, [n for n, _ in module.named_parameters() if n.startswith("0.")]
+    )
+    TorchDDP(module)(torch.randn(3, 16)).sum().backward()
+
+
+def test_backward_with_create_graph_is_refused_naming_the_way_out(world):
+    # torch's DDP fails at the same point with "a leaf Variable that requires grad is being
+    # used in an in-place operation", as distune's bucket copy did.
+    model = distune.DistributedDataParallel(mlp())
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # autograd's own about create_graph
+        with pytest.raises(ReductionError, match=r"create_graph=True.*torch\.autograd\.grad"):
+            model(x).pow(2).sum().backward(create_graph=True)
+
+
+def test_dtensor_parameters_are_refused_naming_torchs_recipe(world):
+    # Tensor-parallel (or FSDP2) parameters: the construction broadcast failed in DTensor.
+    try:
+        from torch.distributed.tensor import Replicate, distribute_tensor
+    except ImportError:  # an older torch, where it was private
+        from torch.distributed._tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    module = mlp()
+    module[3].weight = nn.Parameter(
+        distribute_tensor(module[3].weight.detach(), mesh, [Replicate()])
+    )
+    with pytest.raises(UnsupportedModuleError, match=r"'3.weight' is a DTensor.*device_mesh"):
+        distune.DistributedDataParallel(module)
+
+
+def test_modules_on_the_meta_device_are_refused_naming_the_tensors(world):
+    # torch's DDP fails too ("Tensor.item() cannot be called on meta tensors"); wrapped, the
+    # module was replaced by to_empty() and the next forward raised about added parameters.
+    with pytest.raises(UnsupportedModuleError, match=r"\['weight', 'bias'\] are on the meta"):
+        distune.DistributedDataParallel(nn.Linear(4, 4, device="meta"))
+    module = nn.BatchNorm1d(4)
+    module.register_buffer("extra", torch.empty(2, device="meta"))
+    with pytest.raises(UnsupportedModuleError, match=r"\['extra'\] .*to_empty\(device="):
+        distune.DistributedDataParallel(module)
+
+
 def test_ignored_parameters_are_not_averaged(world):
     module = mlp()
     TorchDDP._set_params_and_buffers_to_ignore_for_model(module, ["3.weight", "3.bias"])
@@ -397,10 +451,13 @@ def test_join_refuses_model_averaging_algorithms(world):
 
 def test_parameters_on_two_devices_are_refused_as_torch_refuses_them(world):
     module = mlp()
-    module[3].to("meta")
-    for wrapper in (distune.DistributedDataParallel, TorchDDP):
-        with pytest.raises(ValueError, match=r"cpu.*meta|meta.*cpu"):
-            wrapper(module)
+    module[3].to("meta")  # the only second device on a CPU machine
+    with pytest.raises(ValueError, match=r"cpu.*meta|meta.*cpu"):
+        TorchDDP(module)
+    with pytest.raises(ValueError, match=r"one device, found \['cpu', 'meta'\]"):
+        TorchDDPArguments.bind(module, (), {}, list(module.parameters()), None)
+    with pytest.raises(UnsupportedModuleError, match="on the meta device"):  # said first
+        distune.DistributedDataParallel(module)
 
 
 def test_nested_wrappers_are_refused_at_construction(world):

@@ -45,9 +45,12 @@ def test_seen_as_single_rank_nodes_offers_no_hierarchical():
     assert not flat.hierarchical_possible
 
 
-def test_two_ranks_in_one_place_is_an_error():
-    with pytest.raises(TopologyError, match="same"):
-        Topology(0, (0, 0), (0, 0))
+def test_virtual_local_ranks_order_a_node_by_rank():
+    # torchrun --virtual-local-rank sets LOCAL_RANK=0 in every worker; torch's DDP runs there.
+    topology = Topology(rank=3, nodes=(0, 0, 1, 1), local_ranks=(0, 0, 0, 0))
+    assert (topology.members(0), topology.members(1)) == ((0, 1), (2, 3))
+    assert (topology.nnodes, topology.local_world_size) == (2, 2)
+    assert topology.hierarchical_possible
 
 
 @pytest.fixture
