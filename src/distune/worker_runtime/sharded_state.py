@@ -259,10 +259,12 @@ def whole_zero_optimizer(
             whole = own_state_dict()
             # Sent on CPU: a CUDA tensor pickled on rank 0 would land on rank 0's device index.
             sent = [tree_map_only(torch.Tensor, lambda t: t.cpu(), whole)]
-            dist.broadcast_object_list(sent, group_src=0, group=check.group)
+            # The check's group holds every rank, so its rank 0 is global rank 0 (torch
+            # before 2.6 has no group_src).
+            dist.broadcast_object_list(sent, src=0, group=check.group)
             return whole
         received: list[Any] = [None]
-        dist.broadcast_object_list(received, group_src=0, group=check.group)
+        dist.broadcast_object_list(received, src=0, group=check.group)
         return tree_map_only(torch.Tensor, lambda t: t.to(device), received[0])
 
     def load_state_dict(state: dict[str, Any]) -> None:
