@@ -93,6 +93,7 @@ def sweep() -> list[Tuner]:
         _variant("<=2^6 buckets", {"max_buckets_2p": 6}),
         _variant("not cost-aware", {"cost_aware": False}),
         _variant("no early end", early_end_windows=0),
+        _variant("gain_confidence=0.9", gain_confidence=0.90),
     ]
 
 
