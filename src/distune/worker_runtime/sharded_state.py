@@ -37,9 +37,11 @@ from torch.utils._pytree import tree_map_only
 from distune.errors import DistuneError
 
 #: Seconds the ranks wait for each other at a checkpoint call before failing (distune.prepare's
-#: ``checkpoint_timeout``): long enough for ranks that all call it, a rank writing its last file
-#: first; short enough that a rank-0-only call fails in a minute, not the process group's 30.
-DEFAULT_CHECKPOINT_TIMEOUT = 60.0
+#: ``checkpoint_timeout``): long enough that a correct script whose rank 0 writes a large file
+#: between two calls while the others wait in the second is not failed (a false failure would
+#: kill a healthy job); short enough that a rank-0-only call fails in minutes, before the
+#: process group's time-out (NCCL's 10 minutes, gloo's 30) ends the job naming nothing.
+DEFAULT_CHECKPOINT_TIMEOUT = 300.0
 
 MODEL_STATE = "run.model.state_dict()"
 MODEL_LOAD = "run.model.load_state_dict()"
