@@ -43,9 +43,13 @@ def format_summary(
         if model.get("state") == "completed":
             lines.append(f"  chosen group:  {chosen}, {score}")
         else:
-            # Tuning did not finish: nothing was chosen, and the job ran its current group.
+            # Tuning did not finish: nothing was chosen. The service's current group is the one
+            # it was sampling; the job may not have switched to it yet (it learns of a switch at
+            # its next sync point), so the line says what the service knows, not what ran last.
             current = describe_group(model.get("current"), "an unknown group")
-            lines.append(f"  best so far:   {chosen}, {score} (the job ended on {current})")
+            lines.append(
+                f"  best so far:   {chosen}, {score} (sampling {current} when the job ended)"
+            )
         lines.append(
             f"  default group: {format_rate(model.get('default_score'), 'not measured')}; "
             f"gain {_gain(best)}"

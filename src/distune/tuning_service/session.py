@@ -962,16 +962,16 @@ class TuningSession:
     def _runner_up_first(
         self, remaining: int, choice: tuple[Hyperparameters, Phase] | None
     ) -> tuple[Hyperparameters, Phase] | None:
-        """A runner-up measured once, before completing with budget left, or before a close
-        call that leaves budget for one sample after the runners-up; else ``choice``.
+        """A runner-up measured once, before completing with budget left; else ``choice``.
 
         A runner-up: a group measured once whose score lies within ``confirm_margin`` of the
         best score. One sample's score is good to a few percent, so one scored below a
         confirmed group, or below the default's lead, can be the best all the same; left
         unconfirmed it can never be chosen (:meth:`_candidates`). During the search such
         groups wait (:meth:`_contenders_to_confirm`): the budget goes to the comparison with
-        the default first. Budget the session would leave unused, or that a close call would
-        spend on two groups while a better one may be waiting, is theirs."""
+        the default first. Budget the session would leave unused is theirs; letting them go
+        before a close call as well split the close calls' budget among more challengers and
+        was not kept (docs/tuning_service.md, "The last sample and the runners-up")."""
         if not self.config.confirm_top or remaining <= 0:
             return choice
         default = self._measurements[self.space.default]

@@ -62,7 +62,7 @@ def test_a_model_still_sampling_shows_its_best_so_far_not_a_choice():
     assert "chosen" not in text
     assert (
         "best so far:   bucket 2^22 B (4 MiB), flat, 28 it/s "
-        "(the job ended on bucket 2^25 B (32 MiB), flat)"
+        "(sampling bucket 2^25 B (32 MiB), flat when the job ended)"
     ) in text
     assert "gain +7.2%" in text
 
