@@ -253,8 +253,12 @@ def apply(
     return Applied(wrapped, rebuilt)
 
 
-# Where torch's GradScaler calls the optimizer's step (its own, or a subclass's).
-_SCALER_STEPS = (torch.amp.GradScaler.step.__code__, torch.amp.GradScaler._maybe_opt_step.__code__)
+# torch's GradScaler (torch.amp's since torch 2.3; torch.cuda.amp's before, which the package's
+# torch 2.1 and 2.2 have), and where it calls the optimizer's step (its own, or a subclass's).
+_GRAD_SCALER: type[torch.amp.GradScaler] = (
+    getattr(torch.amp, "GradScaler", None) or torch.cuda.amp.GradScaler
+)
+_SCALER_STEPS = (_GRAD_SCALER.step.__code__, _GRAD_SCALER._maybe_opt_step.__code__)
 
 
 def _refuse_a_local_grad_scaler(_optimizer: Any, _args: Any, _kwargs: Any, *, stage: int) -> None:
@@ -268,7 +272,7 @@ def _refuse_a_local_grad_scaler(_optimizer: Any, _args: Any, _kwargs: Any, *, st
         if frame.f_code in _SCALER_STEPS:
             scaler = frame.f_locals.get("self")
             if (
-                isinstance(scaler, torch.amp.GradScaler)
+                isinstance(scaler, _GRAD_SCALER)
                 and not isinstance(scaler, ShardedGradScaler)
                 and scaler.is_enabled()
             ):
