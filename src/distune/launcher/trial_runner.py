@@ -8,7 +8,7 @@ to the agent (which stops its ranks), then SIGKILL to the agent and every rank i
 found in /proc and in the pid files the ranks wrote. The outcome comes from the structured
 files the ranks write (:mod:`distune.worker_runtime.trial_measurement`) and the exit status,
 never from the text of the log. On a multi-node job every node's launcher runs its own ranks of
-the trial this way (its watchdog reading its first local rank's progress), and stops them early
+the trial this way (its watchdog reading its node's first rank's progress), and stops them early
 when the service says a peer node failed or the trial was closed.
 """
 
