@@ -62,6 +62,7 @@ def test_a_script_that_ends_before_the_trials_steps_is_told_how_many_it_needs(tm
         "the script ended after 4 optimizer step(s); a trial runs 7 (2 warm-up, 5 measured): "
         "give it at least 7 in level 2 (its own steps, max_steps or epochs flag)"
     )
+    assert run.steps == 4  # it took part: a fact carried to level 2, not read from the text
 
 
 def test_a_script_that_never_reaches_distune_times_out_saying_so(tmp_path):
@@ -75,6 +76,7 @@ def test_a_script_that_never_reaches_distune_times_out_saying_so(tmp_path):
         "rendezvous), or uses neither, or its start-up (loading data, say) takes longer than "
         "that: give --autotune_trial_timeout more seconds than it"
     )
+    assert run.steps is None
 
 
 def test_a_script_that_changes_its_directory_is_measured_under_a_relative_results_dir(

@@ -37,7 +37,7 @@ from distune.launcher.trial_args import rewrite_script_args, script_batch
 from distune.launcher.trial_client import TrialClient, TrialRefusedError
 from distune.launcher.trial_node import NodeTrials
 from distune.launcher.trial_report import TrialReport
-from distune.launcher.trial_runner import ENDED_SHORT, TrialRunner
+from distune.launcher.trial_runner import TrialRunner
 from distune.launcher.tuned_job import JOB_FILE, TunedJob
 from distune.trial_settings import TrialSettings
 from distune.tuning_service.trial_board import OUTCOME_PRIORITY
@@ -72,6 +72,18 @@ _TAKING_PART = (
     " (a script takes part in level 2 by calling distune.prepare, or by wrapping its model in "
     "distune.DistributedDataParallel with its batch flags named in the config's arg_mappings)"
 )
+
+
+def profile_failed(profile: TrialResult) -> str:
+    """What is said where the profile trial did not end ok. It tells how to take part in
+    level 2 only where the script did not: no step of it finished under distune, and it did not
+    fail on its own (out of memory, a crash)."""
+    took_part = profile.steps is not None
+    hint = "" if profile.outcome in (OOM, CRASH) or took_part else _TAKING_PART
+    return (
+        f"the profile trial (the script's own configuration) ended {profile.outcome}: "
+        f"nothing to tune from; see its log{hint}"
+    )
 
 
 def no_blocks_notice(untried: tuple[str, ...]) -> str:
@@ -541,6 +553,7 @@ class Level2:
             log_path=str(run.log_path),
             error=combined.get("error"),
             facts=measured or None,
+            steps=run.steps,
         )
         self.client.record(index, result.to_json())
         self.report.add(result)
@@ -643,12 +656,7 @@ class Level2:
             self._say(f"pinned (never changed): {self.pins.pinned()}")
         profile = self._trial(0, None, PROFILE, None)
         if profile.outcome != OK:
-            took_part = (profile.error or "").startswith(ENDED_SHORT)
-            hint = "" if profile.outcome in (OOM, CRASH) or took_part else _TAKING_PART
-            self._say(
-                f"the profile trial (the script's own configuration) ended {profile.outcome}: "
-                f"nothing to tune from; see its log{hint}"
-            )
+            self._say(profile_failed(profile))
             self.report.finish(None, [], time.monotonic() - self.started)
             return None
         assert profile.facts is not None

@@ -2,14 +2,14 @@
 
 The trial is ``distune.launcher.trial_job`` (torch's elastic launcher) in a session of its own,
 with the configuration in ``DISTUNE_*`` variables and max_restarts 0. A watchdog reads the
-progress file rank 0 rewrites after every optimizer step: no new step within the trial
-time-out (start-up included) stops the trial as ``timeout``. Stopping is by ids: SIGTERM to the
-agent (which stops its ranks), then SIGKILL to the agent and every rank it started, found in
-/proc and in the pid files the ranks wrote. The outcome comes from the structured files the
-ranks write (:mod:`distune.worker_runtime.trial_measurement`) and the exit status, never from
-the text of the log. On a multi-node job every node's launcher runs its own ranks of the trial
-this way (its watchdog reading its first local rank's progress), and stops them early when the
-service says a peer node failed or the trial was closed.
+progress file the node's first rank rewrites after every optimizer step: no new step within the
+trial time-out (start-up included) stops the trial as ``timeout``. Stopping is by ids: SIGTERM
+to the agent (which stops its ranks), then SIGKILL to the agent and every rank it started,
+found in /proc and in the pid files the ranks wrote. The outcome comes from the structured
+files the ranks write (:mod:`distune.worker_runtime.trial_measurement`) and the exit status,
+never from the text of the log. On a multi-node job every node's launcher runs its own ranks of
+the trial this way (its watchdog reading its node's first rank's progress), and stops them early
+when the service says a peer node failed or the trial was closed.
 """
 
 from __future__ import annotations
@@ -65,6 +65,9 @@ class TrialRun:
     log_path: Path
     peak_memory_bytes: int | None = None
     stopped: str | None = None
+    #: The optimizer steps the node's first rank finished under distune (its progress file);
+    #: None where none did (the script never reached distune, or failed before a step).
+    steps: int | None = None
 
 
 def failure_exit_code(error: ChildFailedError) -> int:
@@ -121,31 +124,32 @@ def classify(
     return CRASH, log_tail or f"exit status {exit_code}"
 
 
-#: How a trial whose script took part but ran too few steps is explained (the profile's hint
-#: on how to take part is then left out).
-ENDED_SHORT = "the script ended after"
+def finished_steps(progress: Path) -> int | None:
+    """The optimizer steps the node's first rank has finished, from the progress file it
+    rewrites after each; None before the first (or where the script never reached distune)."""
+    data = read_json_object(progress)
+    steps = None if data is None else data.get("steps")
+    return steps if isinstance(steps, int) else None
 
 
-def too_few_steps(progress: dict[str, Any] | None, settings: TrialSettings) -> str | None:
-    """Why a trial whose script took part (its first local rank wrote ``progress``) ended with
-    status 0 and no result: it ran out of steps (its own ``--steps``, ``--max_steps`` or
-    epochs) before the warm-up and measured steps; None where ``progress`` says nothing."""
-    steps = None if progress is None else progress.get("steps")
-    if not isinstance(steps, int):
+def too_few_steps(steps: int | None, settings: TrialSettings) -> str | None:
+    """Why a trial whose script took part (it finished ``steps`` steps) ended with status 0
+    and no result: it ran out of steps (its own ``--steps``, ``--max_steps`` or epochs) before
+    the warm-up and measured steps; None where no step finished."""
+    if steps is None:
         return None
     needed = settings.warmup_steps + settings.measured_steps
     return (
-        f"{ENDED_SHORT} {steps} optimizer step(s); a trial runs {needed} ("
+        f"the script ended after {steps} optimizer step(s); a trial runs {needed} ("
         f"{settings.warmup_steps} warm-up, {settings.measured_steps} measured): give it at least "
         f"{needed} in level 2 (its own steps, max_steps or epochs flag)"
     )
 
 
-def stalled(progress: dict[str, Any] | None, timeout: float) -> str:
-    """Why the watchdog stopped a trial whose script reached distune: the steps it finished
-    (its first local rank's ``progress``), and the flag that gives a slow step more time."""
-    steps = None if progress is None else progress.get("steps")
-    when = f"after step {steps}" if isinstance(steps, int) else "before the first step"
+def stalled(steps: int | None, timeout: float) -> str:
+    """Why the watchdog stopped a trial whose script reached distune: the steps it finished,
+    and the flag that gives a slow step more time."""
+    when = f"after step {steps}" if steps is not None else "before the first step"
     return (
         f"no step finished for {timeout:g} s {when}: a hang, or a step slower than that "
         "(torch.compile's first steps compile); --autotune_trial_timeout gives steps more time"
@@ -315,10 +319,11 @@ class TrialRunner:
         )
         if outcome == CRASH and (early := ended_early(trial_dir)) is not None:
             error = f"{error}\n{early}" if error else early
+        steps = finished_steps(trial_dir / PROGRESS_FILE)
         if outcome == INVALID:
-            error = too_few_steps(read_json_object(trial_dir / PROGRESS_FILE), settings) or error
+            error = too_few_steps(steps, settings) or error
         if outcome == TIMEOUT:
-            error = stalled(read_json_object(trial_dir / PROGRESS_FILE), self.trial_timeout)
+            error = stalled(steps, self.trial_timeout)
         if outcome == TIMEOUT and not any(trial_dir.glob("pid.*")):
             # Each rank writes its pid file once distune measures it: none did.
             error = (
@@ -338,6 +343,7 @@ class TrialRunner:
             log_path=log_path,
             peak_memory_bytes=max(peaks) if peaks else None,
             stopped=stopped,
+            steps=steps,
         )
 
     @property
@@ -356,8 +362,7 @@ class TrialRunner:
         last_steps, last_change = None, time.monotonic()
         last_asked = last_change
         while process.poll() is None:
-            data = read_json_object(progress)
-            steps = data.get("steps") if data else None
+            steps = finished_steps(progress)
             now = time.monotonic()
             if steps != last_steps:
                 last_steps, last_change = steps, now

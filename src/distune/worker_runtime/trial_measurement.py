@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_leaves
 from distune.errors import DistuneError
 from distune.trial_settings import MICRO_BATCH, PROGRESS_FILE, RESULT_FILE, TrialSettings
 from distune.worker_runtime.memory_cap import LiveTensorBytes, MemoryMeter, start_meter
+from distune.worker_runtime.topology import NODE_VAR
 
 if TYPE_CHECKING:
     from distune.worker_runtime.reducer import Reducer
@@ -119,6 +120,17 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(partial, path)
 
 
+def writes_progress(rank: int, environ: Mapping[str, str]) -> bool:
+    """Whether ``rank`` writes its node's progress file, which that node's launcher watches:
+    the node's first rank, one per node. Torch's agent numbers a node's ranks from
+    ``GROUP_RANK`` x ``LOCAL_WORLD_SIZE`` (level 2's nodes run the same job, so equal numbers);
+    ``LOCAL_RANK`` cannot tell, since ``--virtual-local-rank`` makes it 0 in every rank.
+    Without a launcher's variables the job is one node, and rank 0 writes."""
+    node = int(environ.get(NODE_VAR, "0"))
+    per_node = int(environ.get("LOCAL_WORLD_SIZE", "1"))
+    return rank == node * per_node
+
+
 def write_rank_outcome(trial_dir: Path, rank: int, outcome: str, **details: Any) -> None:
     """Write how this rank's part of the trial ended (``ok``, ``oom``, ``crash``) where the
     launcher collects every rank's, with ``details`` (the error, the peak memory)."""
@@ -174,7 +186,7 @@ class TrialMeasurement:
         self.measured = measured
         self.device = device
         self.rank = dist.get_rank()
-        self._writes_progress = int(os.environ.get("LOCAL_RANK", self.rank)) == 0
+        self._writes_progress = writes_progress(self.rank, os.environ)
         self._describe = describe
         self._steps = 0
         self._last = time.perf_counter()

@@ -12,12 +12,13 @@ from distune.launcher.level2 import (
     command_without_tuning,
     mapped_flags_failed,
     pinned_configuration,
+    profile_failed,
     run_as,
 )
 from distune.launcher.main import main
 from distune.launcher.options import parse, trial_pins
 from distune.launcher.trial_args import rewrite_script_args, script_batch
-from distune.launcher.trial_runner import classify, stalled
+from distune.launcher.trial_runner import classify, finished_steps, stalled
 from distune.tuning_service.trials.trial_config import TrialConfig, TrialPins
 from distune.tuning_service.trials.trial_result import TrialResult
 
@@ -61,9 +62,44 @@ def test_a_crash_carries_the_failing_ranks_traceback_tail() -> None:
 
 def test_a_timed_out_trial_says_how_far_it_got_and_names_the_flag() -> None:
     flag = "; --autotune_trial_timeout gives steps more time"
-    assert stalled({"steps": 3}, 120.0).startswith("no step finished for 120 s after step 3: ")
+    assert stalled(3, 120.0).startswith("no step finished for 120 s after step 3: ")
     assert stalled(None, 2.5).startswith("no step finished for 2.5 s before the first step: ")
-    assert stalled({"steps": 3}, 120.0).endswith(flag)
+    assert stalled(3, 120.0).endswith(flag)
+
+
+def test_the_steps_a_trial_finished_are_read_from_its_progress_file(tmp_path: Path) -> None:
+    progress = tmp_path / "progress"
+    assert finished_steps(progress) is None  # no step yet
+    progress.write_text('{"steps": 4}')
+    assert finished_steps(progress) == 4
+    progress.write_text('{"steps": 4')  # cut short by a rank that died mid-write
+    assert finished_steps(progress) is None
+
+
+def profile(outcome: str, error: str, steps: int | None) -> TrialResult:
+    config = TrialConfig(2, 1, 0, False)
+    return TrialResult(0, config, 2, outcome, "profile", error=error, steps=steps)
+
+
+def test_the_profile_tells_how_to_take_part_only_where_the_script_did_not() -> None:
+    short = (
+        "the script ended after 4 optimizer step(s); a trial runs 7 (2 warm-up, 5 measured): "
+        "give it at least 7 in level 2 (its own steps, max_steps or epochs flag)"
+    )
+    # On two nodes the service prefixes the node that decided the outcome to its error:
+    # the script took part all the same.
+    assert profile_failed(profile("invalid", f"node 1: {short}", 4)) == (
+        "the profile trial (the script's own configuration) ended invalid: nothing to tune "
+        "from; see its log"
+    )
+    never = profile("invalid", "the script ended without finishing the trial's steps", None)
+    assert profile_failed(never).endswith(
+        "see its log (a script takes part in level 2 by calling distune.prepare, or by "
+        "wrapping its model in distune.DistributedDataParallel with its batch flags named in "
+        "the config's arg_mappings)"
+    )
+    assert profile_failed(profile("timeout", "no step finished", 3)).endswith("see its log")
+    assert profile_failed(profile("crash", "ValueError", None)).endswith("see its log")
 
 
 def test_mapped_flags_are_rewritten_in_both_spellings() -> None:

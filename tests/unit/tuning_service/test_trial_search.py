@@ -763,8 +763,16 @@ def test_a_trial_record_round_trips_through_trials_jsonl() -> None:
         predicted_memory_bytes=11,
         duration=1.5,
         log_path="/r/log.txt",
+        steps=7,
     )
     assert TrialResult.from_json(json.loads(json.dumps(result.to_json()))) == result
+
+
+def test_a_record_written_before_steps_were_recorded_reads_as_steps_unknown() -> None:
+    # A trials.jsonl of an earlier version, as --autotune_resume reads it.
+    record = TrialResult(0, TrialConfig(2, 4, 0, False), WORLD, "invalid", "profile").to_json()
+    del record["steps"]
+    assert TrialResult.from_json(record).steps is None
 
 
 def test_a_stage_that_fits_no_larger_micro_batch_than_a_cheaper_one_is_skipped() -> None:

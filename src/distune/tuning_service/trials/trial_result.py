@@ -25,7 +25,9 @@ METRICS = (THROUGHPUT, LATENCY)
 
 @dataclass(frozen=True)
 class TrialResult:
-    """One finished trial; measurements are None unless the trial got that far."""
+    """One finished trial; measurements are None unless the trial got that far. ``steps``:
+    the optimizer steps the script finished under distune (node 0's first rank), None where
+    none did (it never reached distune, or failed first) or a record older than the field."""
 
     trial: int
     config: TrialConfig
@@ -42,6 +44,7 @@ class TrialResult:
     error: str | None = None
     batch_change: str | None = None
     facts: dict[str, Any] | None = None
+    steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:
@@ -72,6 +75,7 @@ class TrialResult:
             "error": self.error,
             "batch_change": self.batch_change,
             "facts": self.facts,
+            "steps": self.steps,
         }
 
     @classmethod
@@ -96,6 +100,7 @@ class TrialResult:
             error=data.get("error"),
             batch_change=data.get("batch_change"),
             facts=data.get("facts"),
+            steps=data.get("steps"),
         )
 
 
