@@ -30,7 +30,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+from torch.distributed.fsdp import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    FullyShardedDataParallel,
+    StateDictType,
+)
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils._pytree import tree_map_only
 
@@ -199,11 +204,22 @@ def whole_fsdp_optimizer(
     optimizer: torch.optim.Optimizer,
     check: RankCheck,
     names: list[str],
+    device: torch.device,
 ) -> None:
     """Make the optimizer of an FSDP model save and load its whole state, through FSDP's
     ``optim_state_dict`` and ``optim_state_dict_to_load``. ``names`` are its parameters' names
-    in its groups' order, as FSDP names them."""
+    in its groups' order, as FSDP names them; ``device`` is the model's."""
     own_state_dict, own_load = optimizer.state_dict, optimizer.load_state_dict
+    if device.type == "cpu":
+        # FSDP's optimizer state dict "offloads to CPU" (its default) with a `.cpu()` that, on
+        # CPU, keeps each state a view of the buffer it gathers the next state into: Adam's
+        # exp_avg came back as exp_avg_sq (torch 2.13). Not offloading, FSDP clones each one.
+        FullyShardedDataParallel.set_state_dict_type(
+            model,
+            StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(),
+            FullOptimStateDictConfig(offload_to_cpu=False),
+        )
 
     def full() -> bool:
         return FullyShardedDataParallel.get_state_dict_type(model).state_dict_type == (

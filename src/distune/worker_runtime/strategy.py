@@ -41,14 +41,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from torch.distributed.fsdp import (
-    FullOptimStateDictConfig,
-    FullStateDictConfig,
-    FullyShardedDataParallel,
-    MixedPrecision,
-    ShardingStrategy,
-    StateDictType,
-)
+from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -234,21 +227,12 @@ def apply(
         else None,
     )
     ShardedModuleGuard(wrapped, stage).install()
-    if device.type == "cpu":
-        # FSDP's optimizer state dict "offloads to CPU" (its default) with a `.cpu()` that, on
-        # CPU, keeps each state a view of the buffer it gathers the next state into: Adam's
-        # exp_avg came back as exp_avg_sq (torch 2.13). Not offloading, FSDP clones each one.
-        FullyShardedDataParallel.set_state_dict_type(
-            wrapped,
-            StateDictType.FULL_STATE_DICT,
-            FullStateDictConfig(),
-            FullOptimStateDictConfig(offload_to_cpu=False),
-        )
     rebuilt = _rebuild(optimizer, wrapped, groups)
     check = RankCheck.create(stage, checkpoint_timeout)
     check_model(wrapped, check)
     # The names before wrapping are those FSDP's state dicts use.
-    whole_fsdp_optimizer(wrapped, rebuilt, check, [n for g in groups for n in g["names"]])
+    names = [n for g in groups for n in g["names"]]
+    whole_fsdp_optimizer(wrapped, rebuilt, check, names, device)
     rebuilt.register_step_pre_hook(functools.partial(_refuse_a_local_grad_scaler, stage=stage))
     return Applied(wrapped, rebuilt)
 
