@@ -586,6 +586,10 @@ def openapi_document(version: str) -> dict[str, Any]:
             f"{models}/register": {
                 "post": {
                     "summary": "start tuning a model, or resume its session",
+                    "description": "the same facts resume the name's session (a restarted "
+                    "job); other facts (the model wrapped again, the job on other nodes) start "
+                    "a new one, tuned afresh, and keep the old one under /status's earlier; "
+                    "409: one registration more than the service's max_models",
                     "operationId": "register",
                     "parameters": [_NAME],
                     "requestBody": body_of("Registration"),

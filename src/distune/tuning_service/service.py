@@ -205,18 +205,20 @@ class TuningService:
         """The answer to a report from a replaced registration (table lock held). Its model is
         still training: two models may share the name, which is worth a warning, once."""
         owner.superseded_reports += 1
-        old, new = owner.session, model.current.session
+        old = owner.session
+        # The registration that replaced it (the one with other facts; later ones may differ).
+        new = model.entries[model.entries.index(owner) + 1].session
         if owner.superseded_reports == 1:
             logger.warning(
                 "model %s: a report from its registration with %s came after a registration "
                 "with other facts (%s) replaced it: two models may be training under this "
                 "name at once (give each its own name=); the earlier one is no longer tuned",
-                new.name,
+                old.name,
                 _describe(old.facts, old.fixed),
                 _describe(new.facts, new.fixed),
             )
         return SupersededError(
-            f"group_id: group {group_id} is of model {new.name!r} as registered with "
+            f"group_id: group {group_id} is of model {old.name!r} as registered with "
             f"{_describe(old.facts, old.fixed)}, since registered again with other facts "
             f"({_describe(new.facts, new.fixed)}) and tuned afresh: that registration is no "
             "longer tuned; if two models train under this name at once, give each its own name=",

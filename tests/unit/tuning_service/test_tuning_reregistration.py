@@ -192,6 +192,19 @@ def test_a_report_from_the_replaced_registration_is_superseded_and_counted(caplo
     assert job.report().status_code == 200
 
 
+def test_a_report_is_counted_for_the_registration_that_sent_it():
+    job = make_job()
+    first = job.register(HEAD)["group"]
+    second = job.register(UNFROZEN)["group"]
+    job.register(HEAD)  # back on the first shape: a third session
+    answer = job.report(group_id=first["id"]).get_json()
+    assert answer["group"] == first and "gradient_bytes=67108864" in answer["error"]
+    assert job.report(group_id=second["id"]).get_json()["group"] == second
+    assert job.report(group_id=second["id"]).status_code == 409
+    counts = [e["superseded_reports"] for e in job.status()["earlier"]]
+    assert counts == [1, 2]
+
+
 def test_the_best_file_keeps_the_latest_completed_choice_of_each_model(tmp_path):
     service = TuningService(CONFIG, best_path=tmp_path / "best.json")
     client = create_app(service).test_client()
