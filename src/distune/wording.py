@@ -58,3 +58,16 @@ def format_gain(value: Any, missing: str = "-", margin: Any = None) -> str:
         return missing
     half_width = _finite(margin)
     return f"{gain:+.1%}" if half_width is None else f"{gain:+.1%} ± {half_width:.1%}"
+
+
+def describe_registration(registration: Any, missing: str = "unknown facts") -> str:
+    """A registration's facts (``/status``'s ``registration``) in words, e.g. ``8 ranks
+    (2 nodes x 4), 1048576 gradient bytes``."""
+    try:
+        return (
+            f"{int(registration['world_size'])} ranks ({int(registration['nnodes'])} nodes x "
+            f"{int(registration['local_world_size'])}), "
+            f"{int(registration['gradient_bytes'])} gradient bytes"
+        )
+    except (KeyError, TypeError, ValueError):
+        return missing

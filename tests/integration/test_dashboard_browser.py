@@ -68,9 +68,13 @@ class SyntheticJob:
         self.url = url
         self.http = requests.Session()
         self.http.headers["Authorization"] = f"Bearer {TOKEN}"
-        facts = {"world_size": 2, "nnodes": 1, "local_world_size": 2, "gradient_bytes": 2**24}
-        reply = self.post(f"/api/v1/models/{MODEL}/register", facts)
-        self.group, self.train_iter = reply["group"], 0
+        self.register(2**24)
+        self.train_iter = 0
+
+    def register(self, gradient_bytes):
+        facts = {"world_size": 2, "nnodes": 1, "local_world_size": 2,
+                 "gradient_bytes": gradient_bytes}  # fmt: skip
+        self.group = self.post(f"/api/v1/models/{MODEL}/register", facts)["group"]
 
     def post(self, path, body):
         response = self.http.post(self.url + path, json=body, timeout=10)
@@ -178,10 +182,23 @@ def test_the_dashboard_follows_a_tuning_run(service, browser, tmp_path):
     width, height = png_size(screenshot)
     assert width >= 800 and height >= 500 and len(screenshot) > 20_000
 
+    # Wrapped again after unfreezing (more gradient bytes): tuned afresh, and the chart shows
+    # the new session's samples only, not the first one's beside them.
+    job.register(2**26)
+    status = job.run_until(lambda s: s["samples"] >= 1)
+    wait.until(ec.text_to_be_present_in_element((By.CSS_SELECTOR, f"{card} .state"), "sampling"))
+    wait.until(
+        lambda _: (
+            browser.find_element(By.CSS_SELECTOR, chart).get_attribute("data-samples")
+            == str(status["samples"])
+        )
+    )
+    assert not browser.find_elements(By.CSS_SELECTOR, f"{chart} polygon.chosen")
+
     # ?token= works too, and leaves the address at once.
     browser.execute_script("sessionStorage.clear()")
     browser.get(f"{service.url}/?token={TOKEN}")
-    wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, f"{chart} polygon.chosen")))
+    wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, f"{chart} circle.sample")))
     assert "token" not in browser.current_url
     assert browser.find_element(By.ID, "token-form").is_displayed() is False
 

@@ -195,19 +195,53 @@ def test_each_data_parallel_subgroup_has_its_own_tuning_session(service, tmp_pat
     assert set(models) == {"net.r0", "net.r1"}, models
 
 
-def test_a_name_the_service_refuses_is_shown_and_training_goes_on(service, tmp_path):
+def finetune(out: Path) -> dict:
+    """Fine-tuning as docs/worker_runtime.md says: ``STEPS`` steps of the head on a frozen
+    backbone, then the backbone unfrozen and the module wrapped again, ``STEPS`` more."""
+    steps = int(os.environ["TEST_STEPS"])
+    torch.manual_seed(0)
+    module = nn.Sequential(
+        nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8)
+    )
+    module[:4].requires_grad_(False)
+    generator = torch.Generator().manual_seed(int(os.environ["RANK"]))
+    records = []
+    for phase in ("head", "all"):
+        if phase == "all":
+            module.requires_grad_(True)
+        model = distune.DistributedDataParallel(module)
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
+        for _ in range(steps):
+            optimizer.zero_grad()
+            model(torch.randn(16, 32, generator=generator)).pow(2).mean().backward()
+            optimizer.step()
+            hp = model.hyperparameters
+            records.append(
+                [phase, model._reducer.iterations, hp.bucket_size_2p, hp.is_hierarchical_reduce]
+            )
+            time.sleep(0.004)
+    return {"records": records, "params": [p.detach().sum().item() for p in module.parameters()]}
+
+
+def test_a_model_wrapped_again_after_unfreezing_is_tuned_again(service, tmp_path):
+    # Before, the second registration (more gradient bytes) got 409 and the unfrozen phase, the
+    # one that matters most, trained untuned.
     url = service.url
-    other = {"world_size": 3, "nnodes": 1, "local_world_size": 3, "gradient_bytes": 4096}
-    answer = requests.post(f"{url}/api/v1/models/model0/register", json=other, timeout=5)
-    assert answer.ok
-    results = run_job(__file__, "train", tmp_path / "job", env=tuning_env(url, 150))
+    results = run_job(__file__, "finetune", tmp_path / "job", env=tuning_env(url, 400))
     records = assert_lockstep(results)
-    assert records[-1][0] == 150 and not switches(records)
-    log = (tmp_path / "job" / "rank0.err").read_text()
-    # The service's own 409 message, once; no retry loop.
-    assert log.count("refused model 'model0': model 'model0' is already registered") == 1, log
-    assert log.count(WARNING) == 1, log
+    unfrozen = [record[1:] for record in records if record[0] == "all"]
+    assert switches(unfrozen), "the unfrozen model's groups were never applied"
+    model = requests.get(f"{url}/api/v1/status", timeout=5).json()["models"]["model0"]
+    head_bytes = 4 * (256 * 8 + 8)
+    assert model["registration"]["gradient_bytes"] == head_bytes + 4 * (32 * 256 + 256 * 257 + 256)
+    assert model["samples"] >= 2, model
+    [head] = model["earlier"]
+    assert head["registration"]["gradient_bytes"] == head_bytes
+    assert head["samples"] >= 1 and head["superseded_reports"] == 0, head
+    log = requests.get(f"{url}/api/v1/models/model0/log", timeout=5).text.splitlines()
+    assert len(log) >= 1 + head["samples"] + model["samples"], log
+    assert (tmp_path / "job" / "rank0.err").read_text().count(WARNING) == 0
 
 
 if __name__ == "__main__":
-    worker_main({"train": train, "subgroups": subgroups, "uneven": uneven})
+    worker_main({"train": train, "subgroups": subgroups, "uneven": uneven, "finetune": finetune})

@@ -33,10 +33,12 @@ def service():
     started.stop()
 
 
-def drive(service: TuningServiceProcess, monitors: list[ProgressMonitor], windows: int) -> dict:
+def drive(
+    service: TuningServiceProcess, monitors: list[ProgressMonitor], windows: int, facts=FACTS
+) -> dict:
     """Report ``windows`` windows of 0.5 s as a job would, polling the monitors after each."""
     url = service.url + "/api/v1/models/m"
-    reply = requests.post(url + "/register", json=FACTS, headers=AUTH, timeout=5).json()
+    reply = requests.post(url + "/register", json=facts, headers=AUTH, timeout=5).json()
     train_iter = 0
     for _ in range(windows):
         group = reply["group"]
@@ -75,6 +77,32 @@ def test_one_line_per_event_then_the_choice(service):
     assert lines[-1].startswith("autotune m: completed, chose bucket 2^")
     assert len(lines) == len(samples) + 2
     assert quiet_out.getvalue() == ""
+
+
+def test_a_model_registered_again_with_other_facts_is_followed_afresh(service):
+    # Wrapped again after unfreezing: before, the new session's samples were not printed
+    # until they outnumbered the first session's (the log holds both sessions' rows).
+    out = io.StringIO()
+    monitor = ProgressMonitor(service, out=out)
+    assert drive(service, [monitor], windows=200)["completed"]
+    first = out.getvalue().splitlines()
+    unfrozen = {**FACTS, "gradient_bytes": 2**22}
+    assert not drive(service, [monitor], windows=8, facts=unfrozen)["completed"]
+    status = requests.get(service.url + "/api/v1/status", headers=AUTH, timeout=5).json()
+    assert status["models"]["m"]["samples"] >= 1
+    assert " sample 1/3: bucket 2^22 B" in out.getvalue(), "the new sample is printed at once"
+    # Registered again with the same facts: resumed, no new line.
+    assert drive(service, [monitor], windows=200, facts=unfrozen)["completed"]
+    lines = out.getvalue().splitlines()[len(first) :]
+    assert lines[0] == (
+        "autotune m: registered again with other facts (2 ranks (1 nodes x 2), 4194304 "
+        "gradient bytes), tuning it afresh"
+    )
+    assert lines[1] == "autotune m: warmup over, sampling up to 3 groups"
+    samples = [line for line in lines if " sample " in line]
+    assert samples[0].startswith("autotune m sample 1/3: bucket 2^22 B (4 MiB), flat -> ")
+    assert lines[-1].startswith("autotune m: completed, chose bucket 2^")
+    assert len(lines) == len(samples) + 3
 
 
 def test_a_dead_service_is_reported_once_even_when_quiet(service):

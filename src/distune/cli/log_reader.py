@@ -3,8 +3,9 @@
 The log is the service's (``--autotune_log_file``, or ``/api/v1/models/<name>/log`` saved to a
 file): Bagua's four columns first, then ``model,sample,group_id,phase,seconds,iterations,
 windows,gain_vs_default``; one row per sampled group and, once a model's tuning completes, one
-row of phase ``completed`` holding the chosen group. Several models may share one log. Nothing
-in it depends on the machine that wrote it, so a copied log reads the same anywhere.
+row of phase ``completed`` holding the chosen group. Several models may share one log; a model
+registered again with other facts reads as one run per registration. Nothing in it depends on
+the machine that wrote it, so a copied log reads the same anywhere.
 
 A Bagua autotune log (its four columns only, ``bucket_size_2p,is_hierarchical_reduce,score,
 train_iter``) reads too, so users moving from Bagua can set its runs beside distune's: it
@@ -134,14 +135,32 @@ def _runs(text: str, path: Path) -> list[ModelRun]:
         raise LogError(f"{path} holds no sample yet")
     runs = []
     for name in frame["model"].unique():
-        rows = frame[frame["model"] == name]
-        samples = rows[rows["phase"] != COMPLETED].sort_values("sample", kind="stable")
-        choices = rows[rows["phase"] == COMPLETED]
-        if samples.empty:
-            raise LogError(f"{path}: model {name} has a completed row but no sample")
-        choice = choices.iloc[-1] if len(choices) else None
-        runs.append(ModelRun(str(name), samples.reset_index(drop=True), choice))
+        registrations = _registrations(frame[frame["model"] == name])
+        for number, rows in enumerate(registrations, 1):
+            label = str(name)
+            if len(registrations) > 1:
+                label += f" (registration {number} of {len(registrations)})"
+            samples = rows[rows["phase"] != COMPLETED].sort_values("sample", kind="stable")
+            choices = rows[rows["phase"] == COMPLETED]
+            if samples.empty:
+                raise LogError(f"{path}: model {label} has a completed row but no sample")
+            choice = choices.iloc[-1] if len(choices) else None
+            runs.append(ModelRun(label, samples.reset_index(drop=True), choice))
     return runs
+
+
+def _registrations(rows: pd.DataFrame) -> list[pd.DataFrame]:
+    """A model's rows split by registration: a model registered again with other facts (wrapped
+    again after unfreezing layers, restarted on other nodes) is tuned afresh, in a session whose
+    rows follow the earlier one's and start again at a ``default`` sample 1, which no session
+    writes but first (docs/tuning_service.md, "Re-registration"). Never merged: one shape's
+    samples say nothing of another's."""
+    starts = [
+        position
+        for position, (phase, sample) in enumerate(zip(rows["phase"], rows["sample"], strict=True))
+        if position == 0 or (phase == DEFAULT and sample == 1)
+    ]
+    return [rows.iloc[a:b] for a, b in zip(starts, [*starts[1:], len(rows)], strict=True)]
 
 
 def _bagua_run(frame: pd.DataFrame, path: Path) -> ModelRun:

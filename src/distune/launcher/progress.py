@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 from distune.launcher.service_process import TuningServiceProcess
 from distune.space import HyperparameterError, Hyperparameters
-from distune.wording import describe_group, format_gain, format_rate
+from distune.wording import describe_group, describe_registration, format_gain, format_rate
 
 #: Seconds between two polls of the service.
 POLL_INTERVAL = 1.0
@@ -31,6 +31,8 @@ class _ModelProgress:
 
     state: str = ""
     rows_seen: int = 0
+    #: Earlier registrations with other facts seen (a model wrapped again, a job reshaped).
+    earlier: int = 0
 
 
 class ProgressMonitor:
@@ -126,13 +128,21 @@ class ProgressMonitor:
     def _update(self, name: str, model: dict[str, Any]) -> None:
         progress = self._models.setdefault(name, _ModelProgress())
         state = model.get("state", "")
+        earlier = model.get("earlier") or []
+        if len(earlier) > progress.earlier:
+            # Registered again with other facts: a new session, tuned afresh.
+            progress.earlier, progress.state = len(earlier), ""
+            self._print(
+                f"autotune {name}: registered again with other facts "
+                f"({describe_registration(model.get('registration'))}), tuning it afresh"
+            )
+        # The log holds every registration's rows, oldest first.
+        samples = model.get("samples", 0) + sum(e.get("samples", 0) for e in earlier)
         if progress.state in ("", "warmup") and state in ("sampling", "completed"):
             self._print(
                 f"autotune {name}: warmup over, sampling up to {model.get('max_samples')} groups"
             )
-        if model.get("samples", 0) > progress.rows_seen or (
-            state == "completed" and progress.state != "completed"
-        ):
+        if samples > progress.rows_seen or (state == "completed" and progress.state != "completed"):
             self._print_new_rows(name, model, progress)
         if state == "completed" and progress.state != "completed":
             best = model.get("best") or {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from distune.wording import describe_group, format_gain, format_rate
+from distune.wording import describe_group, describe_registration, format_gain, format_rate
 
 
 def format_summary(
@@ -32,6 +32,7 @@ def format_summary(
             f"distune: model {name}: {model.get('state')} after "
             f"{model.get('samples')} of at most {model.get('max_samples')} samples{as_of}"
         )
+        lines.extend(_earlier(model))
         if best is None:
             current = describe_group(model.get("current"), "an unknown group")
             lines.append(f"  current group: {current} (nothing chosen yet)")
@@ -66,6 +67,34 @@ def format_summary(
         lines.append(f"distune: autotune log: {log_file}")
     if best_file:
         lines.append(f"distune: best-file: {best_file}")
+    return lines
+
+
+def _earlier(model: dict[str, Any]) -> list[str]:
+    """Lines on a model registered again with other facts (re-wrapped, or restarted on other
+    nodes): the lines after them are of its latest registration; each earlier one's outcome."""
+    earlier = model.get("earlier") or []
+    if not earlier:
+        return []
+    lines = [f"  as registered last ({describe_registration(model.get('registration'))}); before:"]
+    for registration in earlier:
+        best = registration.get("best")
+        outcome = (
+            "nothing chosen"
+            if best is None
+            else f"{describe_group(best.get('group'), 'an unknown group')}, "
+            f"{format_rate(best.get('score'), 'not measured')}, gain {_gain(best)}"
+        )
+        facts = describe_registration(registration.get("registration"))
+        lines.append(
+            f"  {facts}: {registration.get('state')} after {registration.get('samples')} "
+            f"samples; {outcome}"
+        )
+        if registration.get("superseded_reports"):
+            lines.append(
+                "  warning: it kept reporting after the registration that replaced it: two "
+                "models trained under this name at once; give each its own name="
+            )
     return lines
 
 

@@ -6,7 +6,8 @@ dashboard (``dashboard.py``). Every error is JSON, ``{"error": "..."}``, with a 
 anything the client got wrong: 400 for a malformed body or field (the message names the field),
 401 without the bearer token (when the service has one), 404 for an unknown model, trial or
 route, 405 for a wrong method, 409 for a report on a group that is not current (its body also
-carries the current group), a conflicting registration or a trial request out of turn, 413 for
+carries the current group) or of a replaced registration, a registration past the model limit
+or a trial request out of turn, 413 for
 a body over 1 MiB. A 500 only ever means a bug in the service. docs/tuning_service.md has the
 details.
 """
@@ -23,7 +24,12 @@ from werkzeug.exceptions import HTTPException
 
 from distune.tuning_service import api, dashboard
 from distune.tuning_service.messages import RequestError
-from distune.tuning_service.service import RegistrationError, TuningService, UnknownModelError
+from distune.tuning_service.service import (
+    RegistrationError,
+    SupersededError,
+    TuningService,
+    UnknownModelError,
+)
 from distune.tuning_service.session import StaleGroupError
 from distune.tuning_service.trial_board import TrialConflictError, UnknownTrialError
 
@@ -84,6 +90,10 @@ def _stale_group(error: StaleGroupError) -> tuple[Response, int]:
     return _error(409, str(error), **error.reply.to_dict())
 
 
+def _superseded(error: SupersededError) -> tuple[Response, int]:
+    return _error(409, str(error), **error.to_dict())
+
+
 def _conflict(error: RegistrationError) -> tuple[Response, int]:
     return _error(409, str(error))
 
@@ -113,6 +123,7 @@ _ERROR_HANDLERS: tuple[tuple[type[Exception], Any], ...] = (
     (RequestError, _bad_request),
     (UnknownModelError, _unknown_model),
     (StaleGroupError, _stale_group),
+    (SupersededError, _superseded),
     (RegistrationError, _conflict),
     (UnknownTrialError, _unknown_trial),
     (TrialConflictError, _trial_conflict),

@@ -95,13 +95,15 @@ _SCHEMAS: dict[str, Any] = {
         },
     },
     "StaleGroup": {
-        "description": "a report for a group that is not current; carries the current group",
+        "description": "a report for a group that is not current; carries the current group, "
+        "or, with state 'superseded', the last group of the registration that sent it, which a "
+        "registration of the name with other facts replaced (that model is no longer tuned)",
         "type": "object",
         "required": ["error", "group", "state", "completed"],
         "properties": {
             "error": {"type": "string"},
             "group": _ref("Group"),
-            "state": _ref("State"),
+            "state": {"oneOf": [_ref("State"), {"const": "superseded"}]},
             "completed": {"type": "boolean"},
         },
     },
@@ -225,6 +227,27 @@ _SCHEMAS: dict[str, Any] = {
                 "minimum": 0,
                 "description": "times tuning reopened because the throughput drifted below "
                 "the chosen group's score (--autotune_retune_drift)",
+            },
+            "registration": _ref("Registration")
+            | {"description": "the facts the session tuned now was registered with"},
+            "earlier": {
+                "type": "array",
+                "items": _ref("EarlierRegistration"),
+                "description": "sessions of earlier registrations of the name with other "
+                "facts, oldest first: a registration with other facts is tuned afresh",
+            },
+        },
+    },
+    "EarlierRegistration": {
+        "allOf": [_ref("ModelStatus")],
+        "type": "object",
+        "required": ["registration", "superseded_reports"],
+        "properties": {
+            "superseded_reports": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "reports it sent after it was replaced (answered 409, "
+                "state 'superseded'): more than none means two models trained under one name",
             },
         },
     },
@@ -563,6 +586,10 @@ def openapi_document(version: str) -> dict[str, Any]:
             f"{models}/register": {
                 "post": {
                     "summary": "start tuning a model, or resume its session",
+                    "description": "the same facts resume the name's session (a restarted "
+                    "job); other facts (the model wrapped again, the job on other nodes) start "
+                    "a new one, tuned afresh, and keep the old one under /status's earlier; "
+                    "409: one registration more than the service's max_models",
                     "operationId": "register",
                     "parameters": [_NAME],
                     "requestBody": body_of("Registration"),

@@ -330,11 +330,17 @@ _SWITCH_ALLOWANCE = 2.0
 class TuningSession:
     """The tuning state machine of one model (see the module's docstring).
 
-    Creating a session is the model's first registration: the default group is handed out.
+    Creating a session is the model's first registration (or its first with these facts):
+    the default group is handed out, with id ``first_group_id``.
     """
 
     def __init__(
-        self, name: str, facts: ModelFacts, fixed: FixedKnobs, config: TuningConfig
+        self,
+        name: str,
+        facts: ModelFacts,
+        fixed: FixedKnobs,
+        config: TuningConfig,
+        first_group_id: int = 0,
     ) -> None:
         self.name = name
         self.facts = facts
@@ -348,7 +354,9 @@ class TuningSession:
         )
         self._state = State.WARMUP if config.warmup_time > 0 else State.SAMPLING
         self._warmup_seconds = 0.0
-        self._group = Group(0, self.space.default)
+        # A model registered again with other facts gets a new session whose ids continue the
+        # old one's, so a report names the session it belongs to (docs/tuning_service.md).
+        self._group = Group(first_group_id, self.space.default)
         self._sample = _Sample(group=self._group, phase=Phase.DEFAULT)
         # The first window after a registration or a switch is discarded: it holds the cost of
         # starting up or of applying the switch, not the group's throughput.

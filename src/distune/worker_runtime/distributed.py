@@ -297,10 +297,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._sync = SyncPoints(
             process_group, self._comm_device, client, hyperparameters, settings.sync_interval
         )
-        self._name_claim = NAMES_IN_USE.claim(session, self._reducer.params, self._sync.stop)
+        claim = NAMES_IN_USE.claim(session, self._reducer.params, self._sync.stop, client)
+        self._name_claim = claim
         self._reducer.on_iteration = self._sync.after_iteration
         if client is not None:
-            client.start()
+            client.start(after=claim.replaced)
 
     def _log_start(self, parameters: int, start: StartingGroup, tuning: bool) -> None:
         if self.topology.rank == 0:

@@ -13,10 +13,17 @@ after a switch, and its body carries the current group. Anything else that is no
 window is dropped, one warning is logged for the outage (not one per window), and the thread
 retries with exponential back-off until the service answers again.
 
-A 409 answer to a registration is a refusal, not a failure: the service already tunes a model of
-that name with other facts (two models, or two data-parallel groups, under one name). Retrying
-cannot help, so the service's message is logged once as a warning, the thread ends, and
-:attr:`LeaderClient.refused` tells the sync points to stop tuning this model.
+A 409 answer to a registration is a refusal, not a failure: the service tunes as many models as
+it may. Retrying cannot help, so the service's message is logged once as a warning, the thread
+ends, and :attr:`LeaderClient.refused` tells the sync points to stop tuning this model.
+
+A registration with other facts than the name's session (the model wrapped again after
+unfreezing layers, the job restarted on another number of nodes) is tuned afresh by the service
+in a new session. A report of the registration it replaced is answered 409 with state
+``superseded``: that model is still training, so another one took its name; it is not tuned
+any more, and says so once, unless it is this process's own older wrapper being closed. So
+that the service never mistakes that older wrapper for a second live model, a leader started
+``after`` it registers only once the older one's thread has ended.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ logger = logging.getLogger(__name__)
 
 #: Finished windows waiting to be posted; older ones are dropped when the service lags.
 QUEUE_LIMIT = 16
+#: The state of a 409 to a report of a registration that one with other facts replaced.
+SUPERSEDED = "superseded"
 
 
 def check_model_name(name: object) -> str:
@@ -134,14 +143,18 @@ class LeaderClient:
         self._stop = threading.Event()
         self._refused = threading.Event()
         self._healthy = True
+        self._after: LeaderClient | None = None
         self._thread = threading.Thread(
             target=self._run, name=f"distune-leader-{name}", daemon=True
         )
 
     # -- the training thread's side ---------------------------------------------------------
 
-    def start(self) -> None:
-        """Start the background thread (registration happens there)."""
+    def start(self, after: LeaderClient | None = None) -> None:
+        """Start the background thread (registration happens there). ``after`` is the closed
+        client of an older wrapper this one replaced: this one registers once its thread has
+        ended (at most one request's time-outs later), never before its last report."""
+        self._after = after
         self._thread.start()
 
     def latest(self) -> ServiceAnswer | None:
@@ -165,7 +178,8 @@ class LeaderClient:
 
     @property
     def refused(self) -> bool:
-        """Whether the service refused to register the model (it is not tuned)."""
+        """Whether the service refused to register the model, or a registration with other
+        facts replaced it: it is not tuned."""
         return self._refused.is_set()
 
     @property
@@ -176,6 +190,9 @@ class LeaderClient:
     # -- the background thread --------------------------------------------------------------
 
     def _run(self) -> None:
+        if self._after is not None:
+            self._after.wait_ended(self._config.connect_timeout + self._config.read_timeout + 1)
+            self._after = None
         session = requests.Session()
         registered = False
         delay = self._config.initial_backoff
@@ -202,6 +219,17 @@ class LeaderClient:
                     )
                     self._refused.set()
                     return
+                except _Superseded as superseded:
+                    if not self._stop.is_set():  # else: closed, replaced by a newer wrapper
+                        logger.warning(
+                            "tuning service at %s no longer tunes model %r: %s; it keeps %s",
+                            self._url,
+                            self._name,
+                            superseded,
+                            self._kept().describe(),
+                        )
+                    self._refused.set()
+                    return
                 except ServiceError as error:
                     self._failed(str(error))
                     self._stop.wait(delay)
@@ -212,12 +240,20 @@ class LeaderClient:
         finally:
             session.close()
 
+    def wait_ended(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the background thread to end (if it started)."""
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+
     def _post_report(self, session: requests.Session, report: WindowReport) -> bool:
         """Post one window; return whether the model is still registered."""
         try:
-            self._accept(self._post(session, "report", report.to_json()))
+            body = self._post(session, "report", report.to_json())
         except _Unknown:
             return False  # the service lost the model (restarted): register again
+        if isinstance(body, dict) and body.get("state") == SUPERSEDED:
+            raise _Superseded(_error_of(body) or "a registration with other facts replaced it")
+        self._accept(body)
         return True
 
     def _post(self, session: requests.Session, action: str, body: dict[str, Any]) -> Any:
@@ -274,18 +310,21 @@ class LeaderClient:
         if self._healthy:
             self._healthy = False
             # Only the leader knows the group the job keeps: name it (the launcher cannot).
-            latest = self.latest()
-            kept = self._space.default if latest is None else latest.hyperparameters
             logger.warning(
                 "tuning service at %s %s; model %r keeps training with %s; "
                 "retrying with back-off (no further warning until it answers)",
                 self._url,
                 reason,
                 self._name,
-                kept.describe(),
+                self._kept().describe(),
             )
         else:
             logger.debug("tuning service still failing: %s", reason)
+
+    def _kept(self) -> Hyperparameters:
+        """The group the job keeps when the service stops answering or tuning it."""
+        latest = self.latest()
+        return self._space.default if latest is None else latest.hyperparameters
 
     def _recovered(self) -> None:
         if not self._healthy:
@@ -301,10 +340,21 @@ class _Refused(DistuneError):
     """The service refused the registration (409); the message is the service's."""
 
 
+class _Superseded(DistuneError):
+    """A registration with other facts replaced this one (409 to a report, state
+    ``superseded``); the message is the service's."""
+
+
 def _error_message(response: requests.Response) -> str:
     """The ``error`` of a REST error body, or a note that the body had none."""
     try:
-        error = response.json()["error"]
-    except (ValueError, KeyError, TypeError):
-        return f"HTTP {response.status_code} without an error message"
-    return str(error)
+        body = response.json()
+    except ValueError:
+        body = None
+    return _error_of(body) or f"HTTP {response.status_code} without an error message"
+
+
+def _error_of(body: Any) -> str | None:
+    """The ``error`` of a REST error body, if it has one."""
+    error = body.get("error") if isinstance(body, dict) else None
+    return None if error is None else str(error)

@@ -15,7 +15,9 @@ The service keeps one tuning session per name. Two sessions must never be fed by
 
 A new wrapper over parameters an older live wrapper of the same name also holds (re-wrapping
 after unfreezing part of a model) replaces it: the old one's tuning stops, as the old wrapper of
-torch DDP goes inert, and the name passes to the new one.
+torch DDP goes inert, and the name passes to the new one. Its leader registers the name again
+with its own facts (more gradient bytes), which the service tunes afresh, once the old leader's
+thread has ended (``_Holder.replaced``; docs/worker_runtime.md, "Names").
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch.distributed as dist
 
 from distune.errors import DistuneError
 from distune.space import MODEL_NAME_RULE, is_valid_model_name
+from distune.worker_runtime.leader_client import LeaderClient
 
 #: The name of a model that is given none; numbered on when it is taken (see the module doc).
 DEFAULT_NAME = "model0"
@@ -52,11 +55,21 @@ def tuning_name(name: str, process_group: dist.ProcessGroup) -> str:
 
 
 class _Holder:
-    """A live wrapper's claim on a name: its parameters, and how to stop its tuning."""
+    """A live wrapper's claim on a name: its parameters, how to stop its tuning, its leader
+    client (rank 0's), and the leader client of the wrapper it took the name over from."""
 
-    def __init__(self, params: Sequence[torch.Tensor], stop: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        stop: Callable[[], None],
+        client: LeaderClient | None,
+        replaced: LeaderClient | None,
+    ) -> None:
         self.param_ids = {id(p) for p in params}
         self.stop = stop
+        self.client = client
+        #: Start this wrapper's client after it (``LeaderClient.start``).
+        self.replaced = replaced
 
 
 class NameRegistry:
@@ -91,16 +104,21 @@ class NameRegistry:
         )
 
     def claim(
-        self, session: str, params: Sequence[torch.Tensor], stop: Callable[[], None]
+        self,
+        session: str,
+        params: Sequence[torch.Tensor],
+        stop: Callable[[], None],
+        client: LeaderClient | None = None,
     ) -> _Holder:
         """Claim ``session`` (a :func:`tuning_name` from :meth:`name_for`) for a wrapper of
-        ``params``; the caller keeps the returned claim alive as long as the wrapper. The
-        wrapper holding it before (one of the same parameters) stops tuning: ``stop`` is what
+        ``params`` whose leader client (rank 0) is ``client``; the caller keeps the returned
+        claim alive as long as the wrapper. The wrapper holding it before (one of the same
+        parameters) stops tuning, and its client is the claim's ``replaced``: ``stop`` is what
         ends this wrapper's tuning when a newer wrapper takes the name over in turn."""
         previous = self._holders.get(session)
         if previous is not None:
             previous.stop()
-        holder = _Holder(params, stop)
+        holder = _Holder(params, stop, client, None if previous is None else previous.client)
         self._holders[session] = holder
         return holder
 

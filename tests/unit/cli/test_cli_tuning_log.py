@@ -71,6 +71,40 @@ def test_read_log_splits_models_and_finds_each_choice(recorded):
         assert run.running_best.iloc[-1] == run.samples["score"].max()
 
 
+def test_a_model_registered_again_reads_as_one_run_per_registration(tmp_path, capsys):
+    # Wrapped again after unfreezing: the service tunes it afresh in the same log. Read as one
+    # run, the two shapes' samples were merged, sample numbers interleaved.
+    path = tmp_path / "autotune.log"
+    log = TuningLog.create(path)
+    config = TuningConfig(
+        max_samples=3, sampling_confidence_time=1.0, min_windows=2, warmup_time=0.0, seed=0
+    )
+    service = TuningService(config, log)
+    for gradient_bytes in (2**20, 2**24):
+        facts = Registration.from_json({**FACTS, "gradient_bytes": gradient_bytes})
+        reply, train_iter = service.register("m", facts), 0
+        while not reply.completed:
+            iterations = round(MODELS["gpt"](reply.group.hyperparameters.bucket_size_2p) * 0.5)
+            train_iter += iterations
+            try:
+                reply = service.report("m", Report(reply.group.id, train_iter, iterations, 0.5))
+            except StaleGroupError as error:
+                reply = error.reply
+    log.close()
+    status = service.status()["models"]["m"]
+    runs = read_log(path)
+    assert [run.name for run in runs] == [
+        "m (registration 1 of 2)",
+        "m (registration 2 of 2)",
+    ]
+    for run, session in zip(runs, [*status["earlier"], status], strict=True):
+        assert list(run.samples["sample"]) == list(range(1, session["samples"] + 1))
+        assert run.choice["score"] == pytest.approx(session["best"]["score"])
+    assert runs[1].samples["bucket_size_2p"].iloc[0] == 24, "the new shape's default"
+    assert main(["log", str(path)]) == 0
+    assert "2 models" in capsys.readouterr().out
+
+
 def test_distune_log_summarizes_each_model(recorded, capsys):
     path, status = recorded
     assert main(["log", str(path)]) == 0

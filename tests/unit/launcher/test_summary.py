@@ -116,3 +116,48 @@ def test_a_job_that_registered_no_model_says_how_a_model_takes_part():
     assert line.startswith("distune: no model registered with the tuning service: nothing was")
     assert "distune.DistributedDataParallel" in line
     assert "torch's own DistributedDataParallel is not tuned" in line
+
+
+def registration(world_size, nnodes, gradient_bytes):
+    return {"world_size": world_size, "nnodes": nnodes, "local_world_size": world_size // nnodes,
+            "gradient_bytes": gradient_bytes, "fixed": {}}  # fmt: skip
+
+
+def test_a_model_registered_again_shows_its_earlier_registrations():
+    # Wrapped again after unfreezing (more gradient bytes): the lines are the latest session's,
+    # then each earlier one's outcome; a report after replacement warns of two models.
+    head = {
+        "state": "completed",
+        "samples": 5,
+        "max_samples": 20,
+        "current": GROUP,
+        "best": {"group": GROUP, "score": 12.3, "gain_vs_default": 0.042},
+        "default_score": 11.8,
+        "registration": registration(8, 2, 2**20),
+        "superseded_reports": 0,
+    }
+    status = {
+        "models": {
+            "model0": {
+                "state": "sampling",
+                "samples": 2,
+                "max_samples": 20,
+                "current": DEFAULT,
+                "best": None,
+                "default_score": 20.0,
+                "registration": registration(8, 2, 2**26),
+                "earlier": [head, {**head, "best": None, "superseded_reports": 3}],
+            }
+        }
+    }
+    lines = format_summary(status, None, None)
+    assert lines[:4] == [
+        "distune: model model0: sampling after 2 of at most 20 samples",
+        "  as registered last (8 ranks (2 nodes x 4), 67108864 gradient bytes); before:",
+        "  8 ranks (2 nodes x 4), 1048576 gradient bytes: completed after 5 samples; "
+        "bucket 2^22 B (4 MiB), flat, 12.3 it/s, gain +4.2%",
+        "  8 ranks (2 nodes x 4), 1048576 gradient bytes: completed after 5 samples; "
+        "nothing chosen",
+    ]
+    assert "two models trained under this name at once" in lines[4]
+    assert lines[5] == "  current group: bucket 2^25 B (32 MiB), flat (nothing chosen yet)"

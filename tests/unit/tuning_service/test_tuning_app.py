@@ -220,15 +220,18 @@ def test_registration_fixed_knobs_are_merged_over_the_job_wide_ones():
     }
 
 
-def test_reregistration_resumes_but_other_facts_conflict(client):
+def test_reregistration_resumes_and_other_facts_start_afresh(client):
+    # test_tuning_reregistration.py has the cases; this is the REST round trip.
     register(client)
     for step in range(3):
         report(client, train_iter=step)
     again = register(client)
     assert again["group"]["id"] == 1
-    response = client.post("/api/v1/models/m/register", json={**REGISTRATION, "gradient_bytes": 5})
-    assert response.status_code == 409
-    assert "other facts" in response.get_json()["error"]
+    afresh = register(client, gradient_bytes=2**20)
+    assert afresh["group"]["id"] == 2 and afresh["state"] == "sampling"
+    status = client.get("/api/v1/status").get_json()["models"]["m"]
+    assert status["registration"]["gradient_bytes"] == 2**20
+    assert [e["samples"] for e in status["earlier"]] == [1]
 
 
 def test_the_number_of_models_is_bounded():

@@ -10,6 +10,7 @@ import inspect
 import io
 import logging
 import pickle
+import time
 import warnings
 import weakref
 
@@ -228,6 +229,47 @@ def test_rewrapping_the_same_parameters_takes_the_name_over(tuning_world):
         old._sync._client._thread.join(timeout=5)
         assert not old._sync._client.alive
         assert not new._sync.stopped
+
+
+def test_a_model_wrapped_again_after_unfreezing_registers_its_new_facts_after_the_old(
+    tuning_world, caplog
+):
+    # Fine-tuning as the docs say: train the head on a frozen backbone, unfreeze, wrap again.
+    # The service tunes the new facts afresh; the old leader's last report, in flight at the
+    # re-wrap, reaches it before the new registration (after it, the service would take it for
+    # a second model training under the name).
+    done: list[tuple[str, int]] = []
+    with ScriptedService() as service:
+
+        def respond(action, body):
+            if action == "report":
+                time.sleep(0.2)
+            elif body["gradient_bytes"] > service.registered[0]:
+                service.current = group(2, service.unfrozen)
+            service.registered.append(body.get("gradient_bytes", 0))
+            done.append((action, body.get("group_id", body.get("gradient_bytes"))))
+            return service.normal(action, body)
+
+        module = nn.Sequential(nn.Linear(64, 512), nn.Linear(512, 8))
+        head_bytes, all_bytes = 4 * (512 * 8 + 8), 4 * (64 * 512 + 512 + 512 * 8 + 8)
+        service.registered, service.respond = [head_bytes], respond
+        service.unfrozen = Hyperparameters(17, False)  # in 2^16..2^18, the new space
+        service.current = group(1, Hyperparameters(16, False))  # the head's only group
+        tuning_world(service.url)
+        module[0].requires_grad_(False)
+        head = distune.DistributedDataParallel(module)
+        train_until(head, lambda: "report" in service.actions())  # one is in flight now
+        module[0].requires_grad_(True)
+        with caplog.at_level(logging.WARNING):
+            model = distune.DistributedDataParallel(module)
+            train_until(model, lambda: ("report", 2) in done)
+    assert model.name == head.name == "model0" and head._sync.stopped
+    assert model.hyperparameters == service.unfrozen, "the new session's group was applied"
+    registrations = [i for i, (action, _) in enumerate(done) if action == "register"]
+    assert [done[i][1] for i in registrations] == [head_bytes, all_bytes]
+    assert ("report", 1) in done[registrations[0] : registrations[1]], "no report was in flight"
+    assert ("report", 1) not in done[registrations[1] :]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 def test_a_refused_registration_shows_the_services_message_and_stops_tuning(tuning_world, caplog):

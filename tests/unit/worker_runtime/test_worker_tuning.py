@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -249,6 +250,76 @@ def test_a_service_that_forgot_the_model_gets_it_registered_again():
         wait_for(lambda: service.actions()[-1:] == ["register"] and len(service.requests) >= 3)
         client.close()
     assert service.actions()[:3] == ["register", "report", "register"]
+
+
+def superseded(service: ScriptedService, action: str, body: Any) -> tuple[int, Any]:
+    """A service on which a registration with other facts replaced the client's."""
+    if action == "report":
+        return 409, {"error": "group_id: group 1 is of model 'net' as registered with ..., "
+                     "since registered again with other facts", "group": group(1, SPACE.default),
+                     "state": "superseded", "completed": True}  # fmt: skip
+    return service.normal(action, body)
+
+
+def test_a_replaced_registration_says_so_once_and_stops_tuning(caplog):
+    # Another model took the name with other facts while this one trains: two models, one name.
+    with ScriptedService() as service:
+        client = client_for(service.url)
+        with caplog.at_level(logging.DEBUG, logger=LOGGER):
+            client.start()
+            wait_for(lambda: client.latest() is not None)
+            service.respond = lambda action, body: superseded(service, action, body)
+            client.report(report(1))
+            wait_for(lambda: client.refused and not client.alive)
+            client.report(report(1, train_iter=20))
+            time.sleep(0.1)
+    assert service.actions() == ["register", "report"], "no retry, no registration again"
+    [warning] = warnings_of(caplog)
+    assert warning.startswith(f"tuning service at {service.url} no longer tunes model 'net': ")
+    assert "registered again with other facts" in warning and "it keeps bucket 2^" in warning
+
+
+def test_a_closed_client_replaced_by_its_own_process_stops_quietly(caplog):
+    with ScriptedService() as service:
+        client = client_for(service.url)
+        client.start()
+        wait_for(lambda: client.latest() is not None)
+        service.delay = 0.2
+        service.respond = lambda action, body: superseded(service, action, body)
+        with caplog.at_level(logging.DEBUG, logger=LOGGER):
+            client.report(report(1))
+            wait_for(lambda: service.actions()[-1:] == ["report"])
+            client.close()  # the report is in flight: this process wrapped the model again
+            client.wait_ended(5)
+    assert client.refused and warnings_of(caplog) == []
+
+
+def test_a_client_started_after_a_replaced_one_registers_after_its_last_report():
+    # Registered first, the old wrapper's in-flight report would reach the service after the
+    # new registration, which would take it for a second model under the name.
+    done: list[str] = []
+    with ScriptedService() as service:
+
+        def respond(action: str, body: Any) -> tuple[int, Any]:
+            if action == "report":
+                time.sleep(0.3)
+            done.append(f"{action} {body.get('gradient_bytes', '')}".strip())
+            return service.normal(action, body)
+
+        service.respond = respond
+        old = client_for(service.url)
+        old.start()
+        wait_for(lambda: old.latest() is not None)
+        old.report(report(1))
+        wait_for(lambda: service.actions()[-1:] == ["report"])
+        old.close()
+        unfrozen = replace(FACTS, gradient_bytes=2**22)
+        new = LeaderClient(service.url, None, "net", unfrozen, FixedKnobs(),
+                           SearchSpace.for_model(unfrozen), FAST)  # fmt: skip
+        new.start(after=old)
+        wait_for(lambda: new.latest() is not None)
+        new.close()
+    assert done == [f"register {2**20}", "report", f"register {2**22}"]
 
 
 # -- sync points, driven through the public wrapper in a world of one -----------------------

@@ -335,10 +335,20 @@ function fillCard(entry, model) {
   fields.default.textContent = rate(model.default_score);
 }
 
+/** The rows of the model's latest registration: one registered again with other facts is tuned
+ * afresh, its rows following the earlier session's from a default sample 1 (a session's first). */
+function latestRegistration(records) {
+  let start = 0;
+  records.forEach((r, i) => {
+    if (r.phase === "default" && r.sample === 1) start = i;
+  });
+  return records.slice(start);
+}
+
 async function refreshChart(entry, name, model) {
   if (entry.samples === model.samples && entry.state === model.state) return;
   const response = await get(`api/v1/models/${encodeURIComponent(name)}/log`);
-  drawChart(entry.chart, logRecords(await response.text()), model);
+  drawChart(entry.chart, latestRegistration(logRecords(await response.text())), model);
   entry.samples = model.samples;
   entry.state = model.state;
 }
