@@ -238,7 +238,7 @@ class _Measurements(_Windows):
     """Every scored window of one group, across its samples."""
 
     samples: int = 0
-    #: Each sample's log score and window count: how far samples of one group disagree
+    #: Each sample's log score and report count: how far samples of one group disagree
     #: beyond their windows' noise (the job's conditions drift between samples).
     sample_means: list[tuple[float, int]] = field(default_factory=list)
     #: The windows of the samples after the first. A group is confirmed because its first
@@ -260,7 +260,7 @@ class _Measurements(_Windows):
         if sample.windows:
             # The sample's own robust score: a stall in one window moves it no more than the
             # score the group is judged by.
-            self.sample_means.append((math.log(sample.score), len(sample.windows)))
+            self.sample_means.append((math.log(sample.score), sample.reports))
         if self.windows:
             self._scores = (_score(self.windows), _score(self.judged()[0]))
 
@@ -557,7 +557,7 @@ class TuningSession:
             return False
         best = self._measurements[self._best.group.hyperparameters]
         fastest = max(math.log(w.rate) for w in sample.windows)
-        sigma = self._window_sigma() * math.sqrt(1.0 + 1.0 / len(best.windows))
+        sigma = self._window_sigma() * math.sqrt(1.0 + 1.0 / best.reports)
         return fastest < math.log(best.score) - config.early_end_z * sigma
 
     def _noise(self) -> _Noise:
@@ -575,17 +575,26 @@ class TuningSession:
         return self._noise().window
 
     def _pooled_window_sigma(self) -> float:
-        """The standard deviation of a window's log rate about its group's mean, pooled over
-        every measured group (a prior guess until one has two windows). Robust: the median
-        absolute deviation, each deviation scaled to the window's own variance, so a stall in
-        a short sample does not make every difference look like noise."""
+        """The standard deviation of one report window's log rate about its group's mean,
+        pooled over every measured group (a prior guess until one has two windows). Robust:
+        the median absolute deviation, each deviation scaled to one report's variance, so a
+        stall in a short sample does not make every difference look like noise.
+
+        A window merged from ``r`` reports (past ``max_windows``) varies ``r`` times less than
+        one report; about the group's mean weighted by reports (``R`` of them), its deviation
+        has variance ``sigma**2 * (1 / r - 1 / R)``, which the scaling divides out (for
+        unmerged windows, the usual ``n / (n - 1)``)."""
         deviations: list[float] = []
         for measured in self._measurements.values():
-            logs = [math.log(w.rate) for w in measured.windows]
-            if len(logs) >= 2:
-                mean = statistics.fmean(logs)
-                scale = math.sqrt(len(logs) / (len(logs) - 1))
-                deviations += [abs(x - mean) * scale for x in logs]
+            windows = measured.windows
+            if len(windows) >= 2:
+                total = measured.reports
+                logs = [math.log(w.rate) for w in windows]
+                mean = sum(w.reports * x for w, x in zip(windows, logs, strict=True)) / total
+                deviations += [
+                    abs(x - mean) / math.sqrt(1.0 / w.reports - 1.0 / total)
+                    for w, x in zip(windows, logs, strict=True)
+                ]
         if not deviations:
             return _PRIOR_WINDOW_SIGMA
         return max(_MIN_WINDOW_SIGMA, _MAD_TO_SIGMA * statistics.median(deviations))
@@ -599,7 +608,8 @@ class TuningSession:
         partly by luck, and the default's first sample is what the others were chosen over
         (and the job's first after warmup); either would inflate the spread. Unbiased:
         about their own centre, ``k`` sample means scatter by ``(k - 1) / k`` of their
-        variances summed, the samples' spread and each one's window noise alike.
+        variances summed, the samples' spread and each one's window noise alike. A sample's
+        window noise is over the reports it holds, merged or not.
 
         Regularised by a prior guess, ``_SAMPLE_PRIOR_SHARE`` of the window noise, worth
         ``_SAMPLE_PRIOR_FREEDOM`` degrees of freedom (the variances averaged by degrees of
@@ -635,9 +645,10 @@ class TuningSession:
     ) -> tuple[float, tuple[float, float]] | None:
         """The gain over the default group of a group scored ``score`` from ``windows`` (of
         ``samples`` samples), and its ``gain_confidence`` interval: the difference of the two
-        log scores, with the pooled window noise over each side's window count (times what
-        the trimmed mean costs, :func:`trimmed_variance_factor`) and the samples' own spread
-        over each side's sample count (None before the default has a score to compare with).
+        log scores, with the pooled window noise over each side's report count (a window merged
+        past ``max_windows`` holds several; times what the trimmed mean costs,
+        :func:`trimmed_variance_factor`) and the samples' own spread over each side's sample
+        count (None before the default has a score to compare with).
 
         ``comparisons``: the group was chosen as the best of this many candidates, each with
         its own interval; each is then widened to ``1 - (1 - gain_confidence) / comparisons``
@@ -658,7 +669,8 @@ class TuningSession:
         noise = self._noise()
         window_sigma, sample_sigma, freedom = noise.window, noise.sample, noise.freedom
         window_part = window_sigma**2 * sum(
-            trimmed_variance_factor(len(side)) / len(side) for side in (windows, base)
+            trimmed_variance_factor(len(side)) / sum(w.reports for w in side)
+            for side in (windows, base)
         )
         sample_part = sample_sigma**2 * (1.0 / samples + 1.0 / max(1, base_samples))
         variance = window_part + sample_part
