@@ -56,6 +56,7 @@ from benchmarks.tuner_quality.tuners import (
     DistuneTuner,
     GridSearch,
     HorovodStyle,
+    ProvingOracle,
     RandomSearch,
     Tuner,
 )
@@ -85,6 +86,8 @@ def sweep() -> list[Tuner]:
         _variant("noise=none", {"noise": "none"}),
         _variant("no early stop", {"stop_improvement": 0.0}),
         _variant("stop_min_groups=5", {"stop_min_groups": 5}),
+        _variant("stop_min_share=0.3", {"stop_min_share": 0.3}),
+        _variant("stop floor 5 / 0.3", {"stop_min_groups": 5, "stop_min_share": 0.3}),
         _variant("no confirmation", confirm_top=0),
         _variant("confirm_top=3", confirm_top=3),
         _variant("confirm_margin=0.05", confirm_margin=0.05),
@@ -105,6 +108,7 @@ def _tuners(args: argparse.Namespace) -> list[Tuner]:
         GridSearch(),
         BaguaStyle(acquisition_points=300 if args.draw else 1000),
         HorovodStyle(),
+        ProvingOracle(),
     ]
     if args.sweep:
         tuners += sweep()

@@ -19,6 +19,12 @@ what they measure next and in what they keep:
   over (bucket_size_2p, is_hierarchical_reduce as 0/1); the job starts on the default group; the
   optimizer is told the last report window of each sample; keeps the group of the single
   highest report window ever seen;
+- ``oracle``: not a tuner but a bound on what an honest one can prove: told the best group, it
+  measures the default's first sample (left out of the gain, as distune leaves it out), then
+  spends every sample on a close call of the best group against the default in legs (as
+  distune's close calls), and after each sample keeps the best group only if a paired t
+  interval at ``gain_confidence`` on the legs' log trimmed means lies above zero. Its choice
+  after ``k`` samples is what a job of budget ``k`` could have proven with no search at all;
 - ``horovod``: Horovod's autotuner (``horovod/common/parameter_manager.cc``): a Gaussian process
   with expected improvement over the bucket size, started from fixed seed points (Horovod's 4,
   32, 16, 8 MiB fusion thresholds), one full search per value of the boolean (flat first), the
@@ -36,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 import numpy as np
+from scipy.stats import t as student_t
 from skopt import Optimizer
 from skopt.acquisition import gaussian_ei
 from skopt.space import Integer, Real
@@ -323,6 +330,57 @@ class HorovodStyle:
             y_opt = float(np.min(model.predict(np.array(xs).reshape(-1, 1))))
             values = gaussian_ei(candidates, model, y_opt=y_opt, xi=self.xi)
         return int(np.argmax(values))
+
+
+@dataclass(frozen=True)
+class ProvingOracle:
+    """The most an honest session could prove (see the module's docstring): the best group
+    known, every sample after the default's first a close call of it against the default."""
+
+    name: str = "oracle"
+    config: TuningConfig = field(default_factory=TuningConfig)
+    budget_aware: ClassVar[bool] = False
+
+    def run(self, landscape: Landscape, budget: int, noise: NoiseModel, seed: int) -> Trajectory:
+        config = self.config
+        throughput = landscape.throughput
+        best, default = max(throughput, key=throughput.__getitem__), landscape.space.default
+        legs = max(1, math.floor(config.close_call_time))
+        share = config.close_call_time / legs  # a leg's sampling time and windows, as distune's
+        leg_seconds = config.sampling_confidence_time * share
+        leg_windows = math.ceil(config.min_windows * share)
+        job = SimulatedJob(landscape, noise, seed)
+        job.measure(default, config.sampling_confidence_time, config.min_windows)
+        choices, progress = [default], [(job.train_iter, job.seconds)]
+        differences: list[float] = []
+        claim: tuple[float, float] | None = None
+        for _ in range(budget - 1):
+            if best == default:
+                choices.append(default)  # nothing to prove: the default is the best
+                progress.append(progress[-1])
+                continue
+            for _ in range(max(1, legs // 2)):
+                legs_rates = [job.measure(hp, leg_seconds, leg_windows) for hp in (best, default)]
+                logs = [math.log(robust_throughput(rates)) for rates in legs_rates]
+                differences.append(logs[0] - logs[1])
+            claim = _paired_claim(differences, config.gain_confidence)
+            choices.append(best if claim is not None and claim[0] > claim[1] else default)
+            progress.append((job.train_iter, job.seconds))
+        gain, margin = 0.0, None
+        if claim is not None and choices[-1] == best != default:
+            mean, half = claim  # in log throughput; as a gain, like distune's claim
+            gain, margin = math.expm1(mean), (math.expm1(mean + half) - math.expm1(mean - half)) / 2
+        return Trajectory(tuple(choices), budget, gain, tuple(progress), claimed_margin=margin)
+
+
+def _paired_claim(differences: list[float], confidence: float) -> tuple[float, float] | None:
+    """The mean of paired log differences and its ``confidence`` half-width (Student's t), or
+    None with fewer than two pairs."""
+    if len(differences) < 2:
+        return None
+    quantile = float(student_t.ppf(0.5 + confidence / 2.0, len(differences) - 1))
+    spread = statistics.stdev(differences) / math.sqrt(len(differences))
+    return statistics.fmean(differences), quantile * spread
 
 
 def _bagua_point(space: SearchSpace, hp: Hyperparameters) -> list[int]:

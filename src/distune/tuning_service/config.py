@@ -274,7 +274,8 @@ class TuningConfig:
     )
     max_models: int = setting(
         256,
-        "how many models the service tunes at most",
+        "how many model sessions the service tunes at most (a model registered again with "
+        "other facts counts again)",
         _integer(1, 100_000),
         metavar="N",
         flag=True,
