@@ -5,7 +5,8 @@ and the best-file.
 
 Locks: one for the table of sessions (held only to look a session up or add one), and one per
 session (held while a report is accounted; a registration that replaces a session takes the
-table's inside it, never the other way round). Readers of ``/status`` and ``/hyperparameters``
+table's inside it, never the other way round, so a report checks under it that its session is
+still the current one). Readers of ``/status`` and ``/hyperparameters``
 take each session's published snapshot and wait on neither, so they answer in microseconds
 whatever the sessions are doing.
 
@@ -188,17 +189,26 @@ class TuningService:
         group is an earlier registration's), StaleGroupError (the group is not current) or
         RequestError (an inconsistent window)."""
         model = self._model(name)
-        with self._lock:
-            entry = model.current
-            if report.group_id < entry.first_group_id:
-                raise self._superseded(model, model.owner(report.group_id), report.group_id)
-        with entry.lock:
-            reply, records = entry.session.report(report, decide=self._decisions is None)
-            if records:
-                self._record(entry.session, records)
-                if entry.session.deciding:
-                    assert self._decisions is not None
-                    self._decisions.submit(self._decide, entry)
+        while True:
+            with self._lock:
+                entry = model.current
+                if report.group_id < entry.first_group_id:
+                    raise self._superseded(model, model.owner(report.group_id), report.group_id)
+            with entry.lock:
+                # A registration with other facts may have replaced the session while this
+                # report waited for its lock (it replaces with that lock held): judged by the
+                # old session, the report would move it on to an id of the new one.
+                if model.current is entry:
+                    return self._account(entry, report)
+
+    def _account(self, entry: _Entry, report: Report) -> Reply:
+        """Account a report in the current registration's session (its lock held)."""
+        reply, records = entry.session.report(report, decide=self._decisions is None)
+        if records:
+            self._record(entry.session, records)
+            if entry.session.deciding:
+                assert self._decisions is not None
+                self._decisions.submit(self._decide, entry)
         return reply
 
     def _superseded(self, model: _Model, owner: _Entry, group_id: int) -> SupersededError:
