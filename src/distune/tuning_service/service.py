@@ -150,8 +150,15 @@ class TuningService:
                 # Held under the session's lock: no report moves its group meanwhile.
                 with self._lock:
                     if model.current is entry:
-                        return self._replace(model, registration, fixed)
+                        reply = self._replace(model, registration, fixed)
+                        break
             # Another registration replaced it meanwhile: compare with that one.
+        if self.best_path is not None and any(
+            e.session.view.state is State.COMPLETED for e in model.entries[:-1]
+        ):
+            # The best-file's knob keys were the replaced shape's choice: they go.
+            self._write_best_file()
+        return reply
 
     def _replace(self, model: _Model, registration: Registration, fixed: FixedKnobs) -> Reply:
         """Tune a model registered again with other facts in a new session (both locks held).
@@ -328,20 +335,26 @@ class TuningService:
     def _write_best_file(self) -> None:
         with self._best_lock:
             try:
-                best_file.write_best_file(self.best_path, self._best_views())  # type: ignore[arg-type]
+                best_file.write_best_file(self.best_path, *self._best_views())  # type: ignore[arg-type]
             except OSError as error:
                 logger.error("cannot write the best-file %s: %s", self.best_path, error)
 
-    def _best_views(self) -> list[SessionView]:
+    def _best_views(self) -> tuple[list[SessionView], bool]:
         """Per model, the session the best-file reports: the latest that completed (a model
-        registered again keeps its earlier choice until the new session completes)."""
+        registered again keeps its earlier choice until the new session completes); and
+        whether each is its model's latest registration, without which the file's knob keys
+        would pin the next job to a choice made for another shape."""
         with self._lock:
             sessions = [[e.session for e in model.entries] for model in self._models.values()]
         views = []
+        latest = True
         for registrations in sessions:
-            completed = [s.view for s in registrations if s.view.state is State.COMPLETED]
-            views.append(completed[-1] if completed else registrations[-1].view)
-        return views
+            published = [session.view for session in registrations]  # each read once
+            completed = [i for i, view in enumerate(published) if view.state is State.COMPLETED]
+            index = completed[-1] if completed else len(published) - 1
+            views.append(published[index])
+            latest = latest and index == len(published) - 1
+        return views, latest
 
 
 def _registration(session: TuningSession) -> dict[str, Any]:
