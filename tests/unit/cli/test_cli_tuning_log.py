@@ -102,7 +102,7 @@ def test_a_model_registered_again_reads_as_one_run_per_registration(tmp_path, ca
         assert run.choice["score"] == pytest.approx(session["best"]["score"])
     assert runs[1].samples["bucket_size_2p"].iloc[0] == 24, "the new shape's default"
     assert main(["log", str(path)]) == 0
-    assert "2 models" in capsys.readouterr().out
+    assert f"tuning log {path}: 1 model, 2 registrations\n" in capsys.readouterr().out
 
 
 def test_distune_log_summarizes_each_model(recorded, capsys):
