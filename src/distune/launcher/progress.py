@@ -31,6 +31,9 @@ class _ModelProgress:
 
     state: str = ""
     rows_seen: int = 0
+    #: The samples /status counted (every registration's) when the log was last read: a
+    #: close call's sample is several rows, so rows and samples are not compared.
+    samples_seen: int = 0
     #: Earlier registrations with other facts seen (a model wrapped again, a job reshaped).
     earlier: int = 0
 
@@ -142,8 +145,11 @@ class ProgressMonitor:
             self._print(
                 f"autotune {name}: warmup over, sampling up to {model.get('max_samples')} groups"
             )
-        if samples > progress.rows_seen or (state == "completed" and progress.state != "completed"):
-            self._print_new_rows(name, model, progress)
+        news = samples != progress.samples_seen or (
+            state == "completed" and progress.state != "completed"
+        )
+        if news and self._print_new_rows(name, model, progress):
+            progress.samples_seen = samples
         if state == "completed" and progress.state != "completed":
             best = model.get("best") or {}
             self._print(
@@ -153,14 +159,16 @@ class ProgressMonitor:
             )
         progress.state = state
 
-    def _print_new_rows(self, name: str, model: dict[str, Any], progress: _ModelProgress) -> None:
+    def _print_new_rows(self, name: str, model: dict[str, Any], progress: _ModelProgress) -> bool:
+        """Print the log's rows not printed yet; whether the log could be read."""
         text = self._service.log(name)
         if text is None:
-            return
+            return False
         rows = [row for row in csv.DictReader(io.StringIO(text)) if row.get("phase") != "completed"]
         for row in rows[progress.rows_seen :]:
             self._print(_sample_line(name, row, model.get("max_samples")))
         progress.rows_seen = max(progress.rows_seen, len(rows))
+        return True
 
 
 def _final_groups_in_log(path: str | None) -> dict[str, str]:

@@ -1,0 +1,73 @@
+"""The launcher's progress lines against the real service in this process: one line per log
+row, whatever the rows per sample (a close call's legs) and the registrations of a model."""
+
+import io
+import random
+
+from distune.launcher.progress import ProgressMonitor
+from distune.tuning_service.config import TuningConfig
+from distune.tuning_service.messages import Registration, Report
+from distune.tuning_service.service import TuningService
+from distune.tuning_service.session import StaleGroupError
+from tests.support.models import SINGLE_NODE_REGISTRATION as FACTS
+
+#: A close call's sample runs in 4 legs, each a log row of the same sample number.
+CONFIG = TuningConfig(
+    max_samples=5,
+    sampling_confidence_time=1.0,
+    min_windows=2,
+    warmup_time=0.0,
+    seed=2,
+    close_call_time=4.0,
+)
+
+
+class InProcessService:
+    """What the monitor reads of the service process it started, from a service object."""
+
+    alive = True
+    log_file = None
+    returncode = None
+
+    def __init__(self, service: TuningService) -> None:
+        self.service = service
+
+    def status(self):
+        return self.service.status()
+
+    def log(self, name):
+        return self.service.log_csv(name)
+
+
+def drive(service, facts, done, noise):
+    """Half-second windows of a job where 2^22 B buckets are 4% faster, with 3% noise."""
+    reply, step = service.register("m", Registration.from_json(facts)), 0
+    while not done(service.status()["models"]["m"]):
+        hp = reply.group.hyperparameters
+        rate = 100 * (1.04 if hp.bucket_size_2p == 22 else 1.0) * (1 + noise.gauss(0, 0.03))
+        step += 1
+        try:
+            reply = service.report("m", Report(reply.group.id, step, round(rate * 0.5), 0.5))
+        except StaleGroupError as error:
+            reply = error.reply
+
+
+def test_samples_after_a_close_call_are_printed_in_the_next_registration():
+    # The head's session ends in a close call: its last two samples wrote 4 rows each. The
+    # monitor compared /status's sample count with the rows it had printed, so the unfrozen
+    # model's samples waited until they outnumbered the head's extra rows (or completion).
+    service, noise = TuningService(CONFIG), random.Random(1)
+    out = io.StringIO()
+    monitor = ProgressMonitor(InProcessService(service), out=out)
+    drive(service, {**FACTS, "gradient_bytes": 2**24}, lambda s: s["state"] == "completed", noise)
+    monitor.poll()
+    head_lines = out.getvalue().splitlines()
+    rows = service.log_csv("m").splitlines()[1:]
+    assert len([line for line in head_lines if " sample " in line]) == len(rows) - 1
+    assert len(rows) - 1 > service.status()["models"]["m"]["samples"], "no close call"
+    drive(service, {**FACTS, "gradient_bytes": 2**26}, lambda s: s["samples"] >= 2, noise)
+    monitor.poll()
+    lines = out.getvalue().splitlines()[len(head_lines) :]
+    assert lines[0].startswith("autotune m: registered again with other facts")
+    samples = [line for line in lines if " sample " in line]
+    assert [line.split()[3].rstrip(":") for line in samples][:2] == ["1/5", "2/5"], lines
