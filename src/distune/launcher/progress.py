@@ -172,16 +172,22 @@ class ProgressMonitor:
 
 
 def _final_groups_in_log(path: str | None) -> dict[str, str]:
-    """Each completed model's final group, from the ``completed`` rows of a CSV log file."""
+    """Each completed model's final group, from the ``completed`` rows of a CSV log file: of
+    its latest registration only (a model registered again with other facts is tuned afresh,
+    its rows from a ``default`` sample 1 on, and the job no longer runs the earlier choice)."""
     if path is None:
         return {}
     try:
         with open(path, newline="", encoding="utf-8") as file:
-            rows = [row for row in csv.DictReader(file) if row.get("phase") == "completed"]
+            rows = list(csv.DictReader(file))
     except (OSError, UnicodeDecodeError, csv.Error):
         return {}
-    final = {}
+    final: dict[str, str] = {}
     for row in rows:
+        if row.get("phase") == "default" and row.get("sample") == "1":
+            final.pop(row.get("model", ""), None)  # a session starts: none of its choice yet
+        if row.get("phase") != "completed":
+            continue
         with contextlib.suppress(KeyError, ValueError, HyperparameterError):
             hp = Hyperparameters(
                 int(row["bucket_size_2p"]), row["is_hierarchical_reduce"] == "True"

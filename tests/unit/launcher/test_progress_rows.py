@@ -9,6 +9,7 @@ from distune.tuning_service.config import TuningConfig
 from distune.tuning_service.messages import Registration, Report
 from distune.tuning_service.service import TuningService
 from distune.tuning_service.session import StaleGroupError
+from distune.tuning_service.tuning_log import TuningLog
 from tests.support.models import SINGLE_NODE_REGISTRATION as FACTS
 
 #: A close call's sample runs in 4 legs, each a log row of the same sample number.
@@ -71,3 +72,24 @@ def test_samples_after_a_close_call_are_printed_in_the_next_registration():
     assert lines[0].startswith("autotune m: registered again with other facts")
     samples = [line for line in lines if " sample " in line]
     assert [line.split()[3].rstrip(":") for line in samples][:2] == ["1/5", "2/5"], lines
+
+
+def test_a_dead_service_never_names_an_earlier_registrations_choice(tmp_path):
+    # The service died while the unfrozen model's session sampled. The monitor names the group
+    # each completed model keeps, from the log's completed rows: before, the head's completed
+    # row made it say "m keeps <the head's choice>", which the re-wrapped model never ran.
+    path = tmp_path / "tuning.log"
+    service, noise = TuningService(CONFIG, log=TuningLog.create(path)), random.Random(1)
+    process = InProcessService(service)
+    process.log_file = str(path)
+    out = io.StringIO()
+    monitor = ProgressMonitor(process, out=out)
+    drive(service, {**FACTS, "gradient_bytes": 2**24}, lambda s: s["state"] == "completed", noise)
+    drive(service, {**FACTS, "gradient_bytes": 2**26}, lambda s: s["samples"] >= 1, noise)
+    monitor.poll()
+    process.alive, process.returncode = False, -9
+    monitor.poll()
+    death = out.getvalue().splitlines()[-1]
+    assert death.startswith("distune: the tuning service stopped unexpectedly (exit code -9)")
+    assert death.endswith("training goes on: each model keeps the last group the service gave "
+                          "it (rank 0 names it)"), death  # fmt: skip
