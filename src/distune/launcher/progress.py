@@ -174,7 +174,8 @@ class ProgressMonitor:
 def _final_groups_in_log(path: str | None) -> dict[str, str]:
     """Each completed model's final group, from the ``completed`` rows of a CSV log file: of
     its latest registration only (a model registered again with other facts is tuned afresh,
-    its rows from a ``default`` sample 1 on, and the job no longer runs the earlier choice)."""
+    from a ``default`` sample 1 whose group id is above every earlier session's, and the job no
+    longer runs the earlier choice, even one logged after the new session began)."""
     if path is None:
         return {}
     try:
@@ -183,10 +184,13 @@ def _final_groups_in_log(path: str | None) -> dict[str, str]:
     except (OSError, UnicodeDecodeError, csv.Error):
         return {}
     final: dict[str, str] = {}
+    begun: dict[str, int] = {}  # each model's latest session's first group id
     for row in rows:
+        model, group_id = row.get("model", ""), _group_id(row)
         if row.get("phase") == "default" and row.get("sample") == "1":
-            final.pop(row.get("model", ""), None)  # a session starts: none of its choice yet
-        if row.get("phase") != "completed":
+            begun[model] = max(group_id, begun.get(model, -1))
+            final.pop(model, None)  # a session starts: none of its choice yet
+        if row.get("phase") != "completed" or group_id < begun.get(model, -1):
             continue
         with contextlib.suppress(KeyError, ValueError, HyperparameterError):
             hp = Hyperparameters(
@@ -194,6 +198,14 @@ def _final_groups_in_log(path: str | None) -> dict[str, str]:
             )
             final[row["model"]] = hp.describe()
     return final
+
+
+def _group_id(row: dict[str, str]) -> int:
+    """A log row's group id; -1 where it has none (a log of another version)."""
+    try:
+        return int(row.get("group_id") or -1)
+    except ValueError:
+        return -1
 
 
 def _sample_line(name: str, row: dict[str, str], max_samples: Any) -> str:

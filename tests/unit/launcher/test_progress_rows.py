@@ -93,3 +93,44 @@ def test_a_dead_service_never_names_an_earlier_registrations_choice(tmp_path):
     assert death.startswith("distune: the tuning service stopped unexpectedly (exit code -9)")
     assert death.endswith("training goes on: each model keeps the last group the service gave "
                           "it (rank 0 names it)"), death  # fmt: skip
+
+
+def test_a_dead_service_never_names_a_choice_logged_late_by_an_earlier_registration(tmp_path):
+    # The head's choice was still being made (the decisions worker busy) when the model was
+    # wrapped again, and was logged after the unfrozen model's first sample: the log's last
+    # completed row is the head's, though the re-wrapped model runs the new session's groups.
+    from tests.unit.tuning_service.test_tuning_decisions import StepExecutor
+
+    path, worker = tmp_path / "tuning.log", StepExecutor()
+    config = TuningConfig(
+        max_samples=2, sampling_confidence_time=1.0, min_windows=2, warmup_time=0.0, seed=0
+    )
+    service = TuningService(config, log=TuningLog.create(path), decisions=worker)
+    process = InProcessService(service)
+    process.log_file = str(path)
+
+    def sample(step: int) -> int:
+        for train_iter in range(step, step + 3):  # a discarded window, then a sample's two
+            service.report("m", Report(service.views()[0].current.id, train_iter, 100, 1.0))
+        return step + 3
+
+    service.register("m", Registration.from_json({**FACTS, "gradient_bytes": 2**20}))
+    step = sample(0)
+    worker.run_all()
+    step = sample(step)  # the head's choice is pending
+    service.register("m", Registration.from_json({**FACTS, "gradient_bytes": 2**24}))
+    sample(step)
+    worker.run_all()
+    assert path.read_text().splitlines()[-1].split(",")[7] == "completed"
+    out = io.StringIO()
+    monitor = ProgressMonitor(process, out=out)
+    monitor.poll()
+    process.alive, process.returncode = False, -9
+    monitor.poll()
+    assert (
+        out.getvalue()
+        .splitlines()[-1]
+        .endswith(
+            "training goes on: each model keeps the last group the service gave it (rank 0 names it)"
+        )
+    )
