@@ -185,6 +185,12 @@ def test_the_dashboard_follows_a_tuning_run(service, browser, tmp_path):
     # Wrapped again after unfreezing (more gradient bytes): tuned afresh, and the chart shows
     # the new session's samples only, not the first one's beside them.
     job.register(2**26)
+    # Until the new session's first sample, its chart waits: before, it drew the first
+    # session's samples and choice under the new registration's card.
+    wait.until(
+        lambda _: browser.find_element(By.CSS_SELECTOR, chart).get_attribute("data-samples") == "0"
+    )
+    assert not browser.find_elements(By.CSS_SELECTOR, f"{chart} polygon.chosen")
     status = job.run_until(lambda s: s["samples"] >= 1)
     wait.until(ec.text_to_be_present_in_element((By.CSS_SELECTOR, f"{card} .state"), "sampling"))
     wait.until(

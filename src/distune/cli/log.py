@@ -107,7 +107,12 @@ def run(args: argparse.Namespace) -> int:
 
     runs = read_log(args.log)
     out = sys.stdout
-    print(f"tuning log {args.log}: {len(runs)} model{'s' if len(runs) != 1 else ''}", file=out)
+    # A model registered again with other facts is one run per registration, not more models.
+    models = len({str(model_run.samples["model"].iloc[0]) for model_run in runs})
+    counted = f"{models} model{'s' if models != 1 else ''}"
+    if len(runs) > models:
+        counted += f", {len(runs)} registrations"
+    print(f"tuning log {args.log}: {counted}", file=out)
     print(to_text(summary(runs)), file=out)
     if args.samples:
         for model_run in runs:

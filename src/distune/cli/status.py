@@ -94,22 +94,34 @@ def format_table(status: dict[str, Any]) -> str:
         return "no model has registered with the tuning service yet"
     rows = [HEADER]
     for name, model in sorted(models.items()):
-        best = model.get("best") or {}
-        rows.append(
-            (
-                name,
-                str(model.get("state", "?")),
-                f"{model.get('samples', '?')}/{model.get('max_samples', '?')}",
-                describe_group(model.get("current")),
-                describe_group(best.get("group")) if best else "-",
-                format_rate(best.get("score")),
-                format_gain(best.get("gain_vs_default")),
+        # A model registered again with other facts (wrapped again after unfreezing, restarted
+        # on other nodes) was tuned afresh: one row per registration, oldest first, named as
+        # `distune log` names them; nothing runs an earlier one's group now.
+        sessions = [*(model.get("earlier") or []), model]
+        for number, session in enumerate(sessions, 1):
+            label = (
+                name if len(sessions) == 1 else f"{name} (registration {number} of {len(sessions)})"
             )
-        )
+            rows.append(_row(label, session, current=session is model))
     widths = [max(len(row[column]) for row in rows) for column in range(len(HEADER))]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
         for row in rows
+    )
+
+
+def _row(
+    label: str, session: dict[str, Any], current: bool
+) -> tuple[str, str, str, str, str, str, str]:
+    best = session.get("best") or {}
+    return (
+        label,
+        str(session.get("state", "?")),
+        f"{session.get('samples', '?')}/{session.get('max_samples', '?')}",
+        describe_group(session.get("current")) if current else "-",
+        describe_group(best.get("group")) if best else "-",
+        format_rate(best.get("score")),
+        format_gain(best.get("gain_vs_default")),
     )
 
 

@@ -31,6 +31,9 @@ class _ModelProgress:
 
     state: str = ""
     rows_seen: int = 0
+    #: The samples /status counted (every registration's) when the log was last read: a
+    #: close call's sample is several rows, so rows and samples are not compared.
+    samples_seen: int = 0
     #: Earlier registrations with other facts seen (a model wrapped again, a job reshaped).
     earlier: int = 0
 
@@ -142,8 +145,11 @@ class ProgressMonitor:
             self._print(
                 f"autotune {name}: warmup over, sampling up to {model.get('max_samples')} groups"
             )
-        if samples > progress.rows_seen or (state == "completed" and progress.state != "completed"):
-            self._print_new_rows(name, model, progress)
+        news = samples != progress.samples_seen or (
+            state == "completed" and progress.state != "completed"
+        )
+        if news and self._print_new_rows(name, model, progress):
+            progress.samples_seen = samples
         if state == "completed" and progress.state != "completed":
             best = model.get("best") or {}
             self._print(
@@ -153,33 +159,53 @@ class ProgressMonitor:
             )
         progress.state = state
 
-    def _print_new_rows(self, name: str, model: dict[str, Any], progress: _ModelProgress) -> None:
+    def _print_new_rows(self, name: str, model: dict[str, Any], progress: _ModelProgress) -> bool:
+        """Print the log's rows not printed yet; whether the log could be read."""
         text = self._service.log(name)
         if text is None:
-            return
+            return False
         rows = [row for row in csv.DictReader(io.StringIO(text)) if row.get("phase") != "completed"]
         for row in rows[progress.rows_seen :]:
             self._print(_sample_line(name, row, model.get("max_samples")))
         progress.rows_seen = max(progress.rows_seen, len(rows))
+        return True
 
 
 def _final_groups_in_log(path: str | None) -> dict[str, str]:
-    """Each completed model's final group, from the ``completed`` rows of a CSV log file."""
+    """Each completed model's final group, from the ``completed`` rows of a CSV log file: of
+    its latest registration only (a model registered again with other facts is tuned afresh,
+    from a ``default`` sample 1 whose group id is above every earlier session's, and the job no
+    longer runs the earlier choice, even one logged after the new session began)."""
     if path is None:
         return {}
     try:
         with open(path, newline="", encoding="utf-8") as file:
-            rows = [row for row in csv.DictReader(file) if row.get("phase") == "completed"]
+            rows = list(csv.DictReader(file))
     except (OSError, UnicodeDecodeError, csv.Error):
         return {}
-    final = {}
+    final: dict[str, str] = {}
+    begun: dict[str, int] = {}  # each model's latest session's first group id
     for row in rows:
+        model, group_id = row.get("model", ""), _group_id(row)
+        if row.get("phase") == "default" and row.get("sample") == "1":
+            begun[model] = max(group_id, begun.get(model, -1))
+            final.pop(model, None)  # a session starts: none of its choice yet
+        if row.get("phase") != "completed" or group_id < begun.get(model, -1):
+            continue
         with contextlib.suppress(KeyError, ValueError, HyperparameterError):
             hp = Hyperparameters(
                 int(row["bucket_size_2p"]), row["is_hierarchical_reduce"] == "True"
             )
             final[row["model"]] = hp.describe()
     return final
+
+
+def _group_id(row: dict[str, str]) -> int:
+    """A log row's group id; -1 where it has none (a log of another version)."""
+    try:
+        return int(row.get("group_id") or -1)
+    except ValueError:
+        return -1
 
 
 def _sample_line(name: str, row: dict[str, str], max_samples: Any) -> str:

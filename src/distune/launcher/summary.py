@@ -66,8 +66,32 @@ def format_summary(
     if log_file:
         lines.append(f"distune: autotune log: {log_file}")
     if best_file:
-        lines.append(f"distune: best-file: {best_file}")
+        lines.append(_best_file_line(status, best_file))
     return lines
+
+
+def _best_file_line(status: dict[str, Any] | None, path: str) -> str:
+    """Where the best-file is, and whether it holds this job's choices: the service writes it
+    only when a model completes, and for a model registered again with other facts it holds
+    the latest completed registration's choice (docs/tuning_service.md, "Files")."""
+    models = (status or {}).get("models") or {}
+    completed = [name for name, model in models.items() if model.get("state") == "completed"]
+    reshaped = [
+        name
+        for name, model in sorted(models.items())
+        if name not in completed
+        and any(e.get("state") == "completed" for e in model.get("earlier") or [])
+    ]
+    if status is not None and not completed and not reshaped:
+        return (
+            f"distune: best-file: not written: no model completed tuning ({path} is left as it was)"
+        )
+    if not reshaped:
+        return f"distune: best-file: {path}"
+    return (
+        f"distune: best-file: {path} (for {', '.join(reshaped)}, the choice of an earlier "
+        "registration: its last registration, with other facts, did not complete)"
+    )
 
 
 def _earlier(model: dict[str, Any]) -> list[str]:

@@ -8,8 +8,10 @@ runs the next job with the tuned settings fixed::
          "default_score": 700.1, "gain_vs_default": 0.16, "gain_margin": 0.03,
          "verdict": "+16.0% vs the default (95% interval +13.0% to +19.0%)", "samples": 14}}}}
 
-The knob keys are present only when the service tunes exactly one model: with several, no
-single job-wide setting fits them all. The file is replaced atomically (a new file with mode
+The knob keys are present only when the service tunes exactly one model, and that model's
+choice is of its latest registration: with several models, no single job-wide setting fits them
+all, and a model registered again with other facts (unfrozen layers, other nodes) is in a shape
+its earlier choice was not made for. The file is replaced atomically (a new file with mode
 0600, renamed over the old one), so a reader never sees half of it; an explicit path that is a
 symbolic link is refused.
 """
@@ -41,8 +43,10 @@ def check_path(path: Path) -> None:
         raise BestFileError(f"cannot write the best-file to {path}: not a regular file")
 
 
-def best_document(views: Sequence[SessionView]) -> dict[str, Any]:
-    """The best-file's JSON for the completed models among ``views`` (all registered models)."""
+def best_document(views: Sequence[SessionView], settings: bool = True) -> dict[str, Any]:
+    """The best-file's JSON for the completed models among ``views`` (all registered models).
+    ``settings`` False leaves the knob keys out: the choice is of an earlier registration of
+    the model (another shape), which would not fit the next job."""
     models = {}
     for view in views:
         if view.state is not State.COMPLETED or view.best is None:
@@ -57,7 +61,7 @@ def best_document(views: Sequence[SessionView]) -> dict[str, Any]:
             "samples": view.samples,
         }
     document: dict[str, Any] = {}
-    if len(views) == 1 and models:
+    if settings and len(views) == 1 and models:
         hp = views[0].best.group.hyperparameters  # type: ignore[union-attr]
         document["bucket_size"] = hp.bucket_size
         document["hierarchical_reduce"] = hp.is_hierarchical_reduce
@@ -65,10 +69,10 @@ def best_document(views: Sequence[SessionView]) -> dict[str, Any]:
     return document
 
 
-def write_best_file(path: Path, views: Sequence[SessionView]) -> None:
+def write_best_file(path: Path, views: Sequence[SessionView], settings: bool = True) -> None:
     """Replace ``path`` atomically with :func:`best_document` of ``views``."""
     check_path(path)
-    text = json.dumps(best_document(views), indent=2, sort_keys=True) + "\n"
+    text = json.dumps(best_document(views, settings), indent=2, sort_keys=True) + "\n"
     fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as file:

@@ -5,7 +5,8 @@ and the best-file.
 
 Locks: one for the table of sessions (held only to look a session up or add one), and one per
 session (held while a report is accounted; a registration that replaces a session takes the
-table's inside it, never the other way round). Readers of ``/status`` and ``/hyperparameters``
+table's inside it, never the other way round, so a report checks under it that its session is
+still the current one). Readers of ``/status`` and ``/hyperparameters``
 take each session's published snapshot and wait on neither, so they answer in microseconds
 whatever the sessions are doing.
 
@@ -149,8 +150,15 @@ class TuningService:
                 # Held under the session's lock: no report moves its group meanwhile.
                 with self._lock:
                     if model.current is entry:
-                        return self._replace(model, registration, fixed)
+                        reply = self._replace(model, registration, fixed)
+                        break
             # Another registration replaced it meanwhile: compare with that one.
+        if self.best_path is not None and any(
+            e.session.view.state is State.COMPLETED for e in model.entries[:-1]
+        ):
+            # The best-file's knob keys were the replaced shape's choice: they go.
+            self._write_best_file()
+        return reply
 
     def _replace(self, model: _Model, registration: Registration, fixed: FixedKnobs) -> Reply:
         """Tune a model registered again with other facts in a new session (both locks held).
@@ -188,17 +196,26 @@ class TuningService:
         group is an earlier registration's), StaleGroupError (the group is not current) or
         RequestError (an inconsistent window)."""
         model = self._model(name)
-        with self._lock:
-            entry = model.current
-            if report.group_id < entry.first_group_id:
-                raise self._superseded(model, model.owner(report.group_id), report.group_id)
-        with entry.lock:
-            reply, records = entry.session.report(report, decide=self._decisions is None)
-            if records:
-                self._record(entry.session, records)
-                if entry.session.deciding:
-                    assert self._decisions is not None
-                    self._decisions.submit(self._decide, entry)
+        while True:
+            with self._lock:
+                entry = model.current
+                if report.group_id < entry.first_group_id:
+                    raise self._superseded(model, model.owner(report.group_id), report.group_id)
+            with entry.lock:
+                # A registration with other facts may have replaced the session while this
+                # report waited for its lock (it replaces with that lock held): judged by the
+                # old session, the report would move it on to an id of the new one.
+                if model.current is entry:
+                    return self._account(entry, report)
+
+    def _account(self, entry: _Entry, report: Report) -> Reply:
+        """Account a report in the current registration's session (its lock held)."""
+        reply, records = entry.session.report(report, decide=self._decisions is None)
+        if records:
+            self._record(entry.session, records)
+            if entry.session.deciding:
+                assert self._decisions is not None
+                self._decisions.submit(self._decide, entry)
         return reply
 
     def _superseded(self, model: _Model, owner: _Entry, group_id: int) -> SupersededError:
@@ -318,20 +335,26 @@ class TuningService:
     def _write_best_file(self) -> None:
         with self._best_lock:
             try:
-                best_file.write_best_file(self.best_path, self._best_views())  # type: ignore[arg-type]
+                best_file.write_best_file(self.best_path, *self._best_views())  # type: ignore[arg-type]
             except OSError as error:
                 logger.error("cannot write the best-file %s: %s", self.best_path, error)
 
-    def _best_views(self) -> list[SessionView]:
+    def _best_views(self) -> tuple[list[SessionView], bool]:
         """Per model, the session the best-file reports: the latest that completed (a model
-        registered again keeps its earlier choice until the new session completes)."""
+        registered again keeps its earlier choice until the new session completes); and
+        whether each is its model's latest registration, without which the file's knob keys
+        would pin the next job to a choice made for another shape."""
         with self._lock:
             sessions = [[e.session for e in model.entries] for model in self._models.values()]
         views = []
+        latest = True
         for registrations in sessions:
-            completed = [s.view for s in registrations if s.view.state is State.COMPLETED]
-            views.append(completed[-1] if completed else registrations[-1].view)
-        return views
+            published = [session.view for session in registrations]  # each read once
+            completed = [i for i, view in enumerate(published) if view.state is State.COMPLETED]
+            index = completed[-1] if completed else len(published) - 1
+            views.append(published[index])
+            latest = latest and index == len(published) - 1
+        return views, latest
 
 
 def _registration(session: TuningSession) -> dict[str, Any]:

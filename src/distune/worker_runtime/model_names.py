@@ -17,7 +17,9 @@ A new wrapper over parameters an older live wrapper of the same name also holds 
 after unfreezing part of a model) replaces it: the old one's tuning stops, as the old wrapper of
 torch DDP goes inert, and the name passes to the new one. Its leader registers the name again
 with its own facts (more gradient bytes), which the service tunes afresh, once the old leader's
-thread has ended (``_Holder.replaced``; docs/worker_runtime.md, "Names").
+thread has ended (``_Holder.replaced``; docs/worker_runtime.md, "Names"). So does a wrapper
+whose name was last held by a wrapper since dropped (``del model``, then the module wrapped
+again): the dropped wrapper's thread may still be posting its last report.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def tuning_name(name: str, process_group: dist.ProcessGroup) -> str:
 
 class _Holder:
     """A live wrapper's claim on a name: its parameters, how to stop its tuning, its leader
-    client (rank 0's), and the leader client of the wrapper it took the name over from."""
+    client (rank 0's), and the leader client that held the name before (its wrapper live or
+    dropped)."""
 
     def __init__(
         self,
@@ -80,6 +83,10 @@ class NameRegistry:
 
     def __init__(self) -> None:
         self._holders: weakref.WeakValueDictionary[str, _Holder] = weakref.WeakValueDictionary()
+        # Each name's last leader client, kept past its wrapper: a dropped wrapper's thread may
+        # still post its last report, which must reach the service before the next
+        # registration of the name (the service would take it for a second live model).
+        self._last_clients: dict[str, LeaderClient] = {}
 
     def name_for(
         self, name: str, params: Sequence[torch.Tensor], process_group: dist.ProcessGroup
@@ -113,12 +120,15 @@ class NameRegistry:
         """Claim ``session`` (a :func:`tuning_name` from :meth:`name_for`) for a wrapper of
         ``params`` whose leader client (rank 0) is ``client``; the caller keeps the returned
         claim alive as long as the wrapper. The wrapper holding it before (one of the same
-        parameters) stops tuning, and its client is the claim's ``replaced``: ``stop`` is what
-        ends this wrapper's tuning when a newer wrapper takes the name over in turn."""
+        parameters) stops tuning; the last client that claimed ``session``, whether its wrapper
+        lives or not, is the claim's ``replaced``: ``stop`` is what ends this wrapper's tuning
+        when a newer wrapper takes the name over in turn."""
         previous = self._holders.get(session)
         if previous is not None:
             previous.stop()
-        holder = _Holder(params, stop, client, None if previous is None else previous.client)
+        holder = _Holder(params, stop, client, self._last_clients.get(session))
+        if client is not None:
+            self._last_clients[session] = client
         self._holders[session] = holder
         return holder
 

@@ -314,3 +314,31 @@ def test_level2_trials_show_with_outcome_throughput_memory_and_the_best(capsys):
         assert document["models"] == {} and document["trials"]["best"] == 2
     finally:
         server.close()
+
+
+def test_a_model_registered_again_shows_each_registration():
+    # Wrapped again after unfreezing: the service tunes the new facts afresh and keeps the
+    # head's session under "earlier". Before, the table showed the new session alone, as if
+    # the head's choice had never been made.
+    service = TuningService(TuningConfig(max_samples=3, sampling_confidence_time=1.0,
+                                         min_windows=2, warmup_time=0.0, seed=1))  # fmt: skip
+    reply = service.register("m", Registration.from_json({**FACTS, "gradient_bytes": 2**20}))
+    for train_iter in range(1, 500):
+        try:
+            reply = service.report("m", Report(reply.group.id, train_iter, 50, 0.5))
+        except StaleGroupError as error:
+            reply = error.reply
+        if reply.completed:
+            break
+    service.register("m", Registration.from_json({**FACTS, "gradient_bytes": 2**24}))
+    status = service.status()
+    [earlier] = status["models"]["m"]["earlier"]
+    assert earlier["state"] == "completed"
+    lines = format_table(status).splitlines()
+    assert [line.split("  ")[0] for line in lines[1:]] == [
+        "m (registration 1 of 2)",
+        "m (registration 2 of 2)",
+    ]
+    first, second = (line.split() for line in lines[1:])
+    assert first[5:7] == ["completed", "3/3"] and "-" in first  # nothing runs it now
+    assert second[5:7] == ["sampling", "0/3"] and "2^24" in lines[2]

@@ -102,7 +102,7 @@ def test_a_model_registered_again_reads_as_one_run_per_registration(tmp_path, ca
         assert run.choice["score"] == pytest.approx(session["best"]["score"])
     assert runs[1].samples["bucket_size_2p"].iloc[0] == 24, "the new shape's default"
     assert main(["log", str(path)]) == 0
-    assert "2 models" in capsys.readouterr().out
+    assert f"tuning log {path}: 1 model, 2 registrations\n" in capsys.readouterr().out
 
 
 def test_distune_log_summarizes_each_model(recorded, capsys):
@@ -327,3 +327,44 @@ def test_plot_to_a_directory_is_refused_and_a_name_without_suffix_gets_png(
     assert main(["plot", str(path), "-o", str(tmp_path / "tuning")]) == 0
     assert capsys.readouterr().out == f"wrote {tmp_path / 'tuning.png'}\n"
     assert (tmp_path / "tuning.png").is_file()
+
+
+def test_a_choice_logged_after_the_next_registration_began_stays_with_its_own(tmp_path):
+    # The head's last sample ended and its choice was still being made (the decisions worker
+    # was busy) when the model was wrapped again; the unfrozen model's first sample ended
+    # before the head's choice was logged, so its completed row follows the new session's
+    # start in the file. Split by position, that choice was read as the new session's.
+    from tests.unit.tuning_service.test_tuning_decisions import StepExecutor
+
+    path = tmp_path / "autotune.log"
+    log, worker = TuningLog.create(path), StepExecutor()
+    config = TuningConfig(
+        max_samples=2, sampling_confidence_time=1.0, min_windows=2, warmup_time=0.0, seed=0
+    )
+    service = TuningService(config, log, decisions=worker)
+
+    def sample(step: int) -> int:
+        group_id = service.views()[0].current.id
+        for train_iter in range(step, step + 3):  # a discarded window, then a sample's two
+            service.report("m", Report(group_id, train_iter, 100, 1.0))
+        return step + 3
+
+    service.register("m", Registration.from_json({**FACTS, "gradient_bytes": 2**20}))
+    step = sample(0)
+    worker.run_all()  # the head's second group
+    step = sample(step)  # the head's budget is spent: its choice is pending
+    service.register("m", Registration.from_json({**FACTS, "gradient_bytes": 2**24}))
+    sample(step)
+    worker.run_all()  # the head's choice, then the unfrozen model's next group
+    log.close()
+    status = service.status()["models"]["m"]
+    assert status["earlier"][0]["state"] == "completed" and status["state"] == "sampling"
+    rows = path.read_text().splitlines()
+    assert rows[-1].split(",")[7] == "completed", "the head's choice is the file's last row"
+    head, unfrozen = read_log(path)
+    assert (
+        head.choice is not None
+        and head.choice["bucket_size_2p"]
+        == (status["earlier"][0]["best"]["group"]["hyperparameters"]["bucket_size_2p"])
+    )
+    assert unfrozen.choice is None and list(unfrozen.samples["sample"]) == [1]

@@ -161,3 +161,27 @@ def test_a_model_registered_again_shows_its_earlier_registrations():
     ]
     assert "two models trained under this name at once" in lines[4]
     assert lines[5] == "  current group: bucket 2^25 B (32 MiB), flat (nothing chosen yet)"
+
+
+def test_the_best_file_line_says_when_no_model_completed_or_an_earlier_shape_did():
+    # The service writes the best-file only when a model completes: before, a job that ended
+    # while sampling was told "best-file: PATH", which held nothing of this job (or an earlier
+    # run's file).
+    sampling = {"state": "sampling", "samples": 2, "max_samples": 20, "current": DEFAULT,
+                "best": None, "default_score": 20.0}  # fmt: skip
+    lines = format_summary({"models": {"m": sampling}}, None, "/tmp/best.json")
+    assert lines[-1] == (
+        "distune: best-file: not written: no model completed tuning "
+        "(/tmp/best.json is left as it was)"
+    )
+    # A model wrapped again after unfreezing, whose new session did not complete: the file
+    # holds the head's choice, which is not the last shape's.
+    head = {**sampling, "state": "completed", "best": {"group": GROUP, "score": 12.3},
+            "registration": registration(2, 1, 2**20), "superseded_reports": 0}  # fmt: skip
+    status = {"models": {"m": {**sampling, "earlier": [head]}}}
+    assert format_summary(status, None, "/tmp/best.json")[-1] == (
+        "distune: best-file: /tmp/best.json (for m, the choice of an earlier registration: "
+        "its last registration, with other facts, did not complete)"
+    )
+    done = {"models": {"m": {**sampling, "state": "completed"}}}
+    assert format_summary(done, None, "/tmp/best.json")[-1] == "distune: best-file: /tmp/best.json"

@@ -231,13 +231,16 @@ def test_rewrapping_the_same_parameters_takes_the_name_over(tuning_world):
         assert not new._sync.stopped
 
 
+@pytest.mark.parametrize("dropped", [False, True], ids=["old-kept", "old-dropped"])
 def test_a_model_wrapped_again_after_unfreezing_registers_its_new_facts_after_the_old(
-    tuning_world, caplog
+    tuning_world, caplog, dropped
 ):
     # Fine-tuning as the docs say: train the head on a frozen backbone, unfreeze, wrap again.
     # The service tunes the new facts afresh; the old leader's last report, in flight at the
     # re-wrap, reaches it before the new registration (after it, the service would take it for
-    # a second model training under the name).
+    # a second model training under the name). Also when the old wrapper was dropped first
+    # (``del model``, then ``model = DistributedDataParallel(module)``): before, its claim on
+    # the name went with it and the new leader registered at once, under the report in flight.
     done: list[tuple[str, int]] = []
     with ScriptedService() as service:
 
@@ -259,11 +262,14 @@ def test_a_model_wrapped_again_after_unfreezing_registers_its_new_facts_after_th
         module[0].requires_grad_(False)
         head = distune.DistributedDataParallel(module)
         train_until(head, lambda: "report" in service.actions())  # one is in flight now
+        head_client = head._sync._client
+        if dropped:
+            del head
         module[0].requires_grad_(True)
         with caplog.at_level(logging.WARNING):
             model = distune.DistributedDataParallel(module)
             train_until(model, lambda: ("report", 2) in done)
-    assert model.name == head.name == "model0" and head._sync.stopped
+    assert model.name == "model0" and head_client._stop.is_set()
     assert model.hyperparameters == service.unfrozen, "the new session's group was applied"
     registrations = [i for i, (action, _) in enumerate(done) if action == "register"]
     assert [done[i][1] for i in registrations] == [head_bytes, all_bytes]

@@ -144,6 +144,7 @@ function logRecords(text) {
     score: Number(row.score),
     iteration: Number(row.train_iter),
     gain: Number(row.gain_vs_default),
+    groupId: Number(row.group_id),
   }));
 }
 
@@ -336,19 +337,18 @@ function fillCard(entry, model) {
 }
 
 /** The rows of the model's latest registration: one registered again with other facts is tuned
- * afresh, its rows following the earlier session's from a default sample 1 (a session's first). */
-function latestRegistration(records) {
-  let start = 0;
-  records.forEach((r, i) => {
-    if (r.phase === "default" && r.sample === 1) start = i;
-  });
-  return records.slice(start);
+ * afresh in a session whose group ids are above every id of the earlier ones (its status's
+ * `earlier`), none of its rows before its first sample ends. */
+function latestRegistration(records, model) {
+  const earlier = (model.earlier || []).map((e) => e.current.id);
+  const last = earlier.length ? Math.max(...earlier) : -1;
+  return records.filter((r) => r.groupId > last);
 }
 
 async function refreshChart(entry, name, model) {
   if (entry.samples === model.samples && entry.state === model.state) return;
   const response = await get(`api/v1/models/${encodeURIComponent(name)}/log`);
-  drawChart(entry.chart, latestRegistration(logRecords(await response.text())), model);
+  drawChart(entry.chart, latestRegistration(logRecords(await response.text()), model), model);
   entry.samples = model.samples;
   entry.state = model.state;
 }
