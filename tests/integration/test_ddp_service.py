@@ -83,20 +83,11 @@ def test_unreachable_service_one_warning_and_training_goes_on(tmp_path):
     assert WARNING not in (tmp_path / "rank1.err").read_text()  # only the leader talks HTTP
 
 
-@pytest.fixture
-def service(start_service):
-    """A real tuning service process with short warm-up and sampling times, without a token."""
-    return start_service(
-        "--warmup-time", "0.3", "--sampling-confidence-time", "0.3", "--max-samples", "4",
-        token=None,
-    )  # fmt: skip
-
-
-def test_a_real_service_tunes_the_job_in_lockstep(service, tmp_path):
+def test_a_real_service_tunes_the_job_in_lockstep(quick_service, tmp_path):
     # Rank 1 is told not to tune (its node launched at --autotune_level 0): it follows rank 0.
     # Before, it skipped the sync points' collective and the ranks' collectives went out of
     # step: gloo timed out (or paired a sync point with a gradient bucket).
-    url = service.url
+    url = quick_service.url
     env = {**tuning_env(url, 700), "TEST_UNTUNED_RANK": "1"}
     results = run_job(__file__, "train", tmp_path / "job", env=env, timeout=120)
     records = assert_lockstep(results)
@@ -123,8 +114,8 @@ def kill_once_sampling(url: str, proc: subprocess.Popen[str], deadline: float) -
         time.sleep(0.05)
 
 
-def test_training_finishes_when_the_service_is_killed_mid_run(service, tmp_path):
-    url, proc = service.url, service.process
+def test_training_finishes_when_the_service_is_killed_mid_run(quick_service, tmp_path):
+    url, proc = quick_service.url, quick_service.process
     killer = threading.Thread(target=kill_once_sampling, args=(url, proc, time.monotonic() + 60))
     killer.start()
     try:
@@ -134,8 +125,8 @@ def test_training_finishes_when_the_service_is_killed_mid_run(service, tmp_path)
     finally:
         killer.join()
     assert proc.wait(timeout=5) == -signal.SIGKILL, "the job ended before the service was killed"
-    service.stop()  # collects what it printed
-    assert "registered" in service.output[1]
+    quick_service.stop()  # collects what it printed
+    assert "registered" in quick_service.output[1]
     records = assert_lockstep(results)
     assert records[-1][0] == 800
     assert (tmp_path / "job" / "rank0.err").read_text().count(WARNING) == 1
@@ -179,16 +170,16 @@ def uneven(out: Path) -> dict:
     }
 
 
-def test_uneven_inputs_under_join_keep_tuning_in_lockstep(service, tmp_path):
-    url = service.url
+def test_uneven_inputs_under_join_keep_tuning_in_lockstep(quick_service, tmp_path):
+    url = quick_service.url
     results = run_job(__file__, "uneven", tmp_path / "job", env=tuning_env(url, 80))
     # The joined rank 0 shadowed rank 1's last 40 iterations, sync points included.
     assert results[0] == results[1]
     assert results[0]["iterations"] == 120
 
 
-def test_each_data_parallel_subgroup_has_its_own_tuning_session(service, tmp_path):
-    url = service.url
+def test_each_data_parallel_subgroup_has_its_own_tuning_session(quick_service, tmp_path):
+    url = quick_service.url
     run_job(__file__, "subgroups", tmp_path / "job", env=tuning_env(url, 200))
     models = requests.get(f"{url}/api/v1/status", timeout=5).json()["models"]
     # One session per subgroup, named after its first global rank (docs/worker_runtime.md).
@@ -223,10 +214,10 @@ def finetune(out: Path) -> dict:
     return {"records": records, "params": [p.detach().sum().item() for p in module.parameters()]}
 
 
-def test_a_model_wrapped_again_after_unfreezing_is_tuned_again(service, tmp_path):
+def test_a_model_wrapped_again_after_unfreezing_is_tuned_again(quick_service, tmp_path):
     # Before, the second registration (more gradient bytes) got 409 and the unfrozen phase, the
     # one that matters most, trained untuned.
-    url = service.url
+    url = quick_service.url
     results = run_job(__file__, "finetune", tmp_path / "job", env=tuning_env(url, 400))
     records = assert_lockstep(results)
     unfrozen = [record[1:] for record in records if record[0] == "all"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,20 @@ import distune
 pytestmark = pytest.mark.slow
 
 
+def _train(model: nn.Module, going: Callable[[int], bool]) -> dict:
+    """Train ``model`` while ``going(steps done)``; every step's iteration and group."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    records = []
+    while going(len(records)):
+        optimizer.zero_grad()
+        model(torch.randn(16, 32)).pow(2).mean().backward()
+        optimizer.step()
+        hp = model.hyperparameters
+        records.append([model._reducer.iterations, hp.bucket_size_2p, hp.is_hierarchical_reduce])
+        time.sleep(0.004)
+    return {"records": records, "params": [p.detach().sum().item() for p in model.parameters()]}
+
+
 def first(out: Path) -> dict:
     """``train``'s model, trained until the test says stop (the ranks agree on the step)."""
     import torch.distributed as dist
@@ -32,19 +47,14 @@ def first(out: Path) -> dict:
             nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8)
         )
     )
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    records = []
     stop = torch.zeros(1)
-    while not stop.item():
-        optimizer.zero_grad()
-        model(torch.randn(16, 32)).pow(2).mean().backward()
-        optimizer.step()
-        hp = model.hyperparameters
-        records.append([model._reducer.iterations, hp.bucket_size_2p, hp.is_hierarchical_reduce])
-        time.sleep(0.004)
-        stop.fill_(float((out / "stop").exists() or len(records) >= 20_000))
+
+    def going(steps: int) -> bool:
+        stop.fill_(float((out / "stop").exists() or steps >= 20_000))
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-    return {"records": records, "params": [p.detach().sum().item() for p in model.parameters()]}
+        return not stop.item()
+
+    return _train(model, going)
 
 
 def other(out: Path) -> dict:
@@ -54,28 +64,12 @@ def other(out: Path) -> dict:
     model = distune.DistributedDataParallel(
         nn.Sequential(nn.Linear(32, 1024), nn.ReLU(), nn.Linear(1024, 8))
     )
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    records = []
-    for _ in range(int(os.environ["TEST_STEPS"])):
-        optimizer.zero_grad()
-        model(torch.randn(16, 32)).pow(2).mean().backward()
-        optimizer.step()
-        hp = model.hyperparameters
-        records.append([model._reducer.iterations, hp.bucket_size_2p, hp.is_hierarchical_reduce])
-        time.sleep(0.004)
-    return {"records": records, "params": [p.detach().sum().item() for p in model.parameters()]}
+    steps = int(os.environ["TEST_STEPS"])
+    return _train(model, lambda done: done < steps)
 
 
-@pytest.fixture
-def service(start_service):
-    return start_service(
-        "--warmup-time", "0.3", "--sampling-confidence-time", "0.3", "--max-samples", "4",
-        token=None,
-    )  # fmt: skip
-
-
-def test_a_second_job_under_the_same_name_is_tuned_and_the_first_told(service, tmp_path):
-    url = service.url
+def test_a_second_job_under_the_same_name_is_tuned_and_the_first_told(quick_service, tmp_path):
+    url = quick_service.url
     earlier: dict[str, list] = {}
     job = threading.Thread(
         target=lambda: earlier.update(
