@@ -95,7 +95,7 @@ def test_a_model_registered_again_with_other_facts_is_followed_afresh(service):
     assert drive(service, [monitor], windows=200, facts=unfrozen)["completed"]
     lines = out.getvalue().splitlines()[len(first) :]
     assert lines[0] == (
-        "autotune m: registered again with other facts (2 ranks (1 nodes x 2), 4194304 "
+        "autotune m: registered again with other facts (2 ranks (1 node x 2), 4194304 "
         "gradient bytes), tuning it afresh"
     )
     assert lines[1] == "autotune m: warmup over, sampling up to 3 groups"

@@ -19,7 +19,13 @@ from typing import Any, TextIO
 
 from distune.launcher.service_process import TuningServiceProcess
 from distune.space import HyperparameterError, Hyperparameters
-from distune.wording import describe_group, describe_registration, format_gain, format_rate
+from distune.wording import (
+    counted,
+    describe_group,
+    describe_registration,
+    format_gain,
+    format_rate,
+)
 
 #: Seconds between two polls of the service.
 POLL_INTERVAL = 1.0
@@ -143,7 +149,8 @@ class ProgressMonitor:
         samples = model.get("samples", 0) + sum(e.get("samples", 0) for e in earlier)
         if progress.state in ("", "warmup") and state in ("sampling", "completed"):
             self._print(
-                f"autotune {name}: warmup over, sampling up to {model.get('max_samples')} groups"
+                f"autotune {name}: warmup over, sampling up to "
+                f"{counted(model.get('max_samples'), 'group')}"
             )
         news = samples != progress.samples_seen or (
             state == "completed" and progress.state != "completed"

@@ -254,6 +254,10 @@ def test_the_number_of_models_is_bounded():
     assert response.status_code == 409
     assert "at most 2 models" in response.get_json()["error"]
     assert register(client, "a")["group"]["id"] == 0  # known models still re-register
+    one = make_client(TuningConfig(max_models=1))
+    register(one, "a")
+    error = one.post("/api/v1/models/b/register", json=REGISTRATION).get_json()["error"]
+    assert error.startswith("this service tunes at most 1 model (a model registered")
 
 
 def test_wrong_method_and_unknown_route_are_json(client):
