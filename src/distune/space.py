@@ -77,8 +77,11 @@ def bucket_size_2p_for(bucket_size: int) -> int:
         raise HyperparameterError(
             f"bucket size must be a positive number of bytes, got {bucket_size}"
         )
-    exponent = round(math.log2(bucket_size))
-    return _check_int("bucket size exponent", exponent, *BUCKET_SIZE_2P_LIMITS)
+    top = BUCKET_SIZE_2P_LIMITS[1]
+    if bucket_size > 1 << top:
+        # The same bound as the launcher's --bucket_size and a registration's fixed exponent.
+        raise HyperparameterError(f"bucket size must be at most 2**{top} bytes, got {bucket_size}")
+    return round(math.log2(bucket_size))
 
 
 #: The default group's bucket size exponent: 25 MiB rounds to 2**25.

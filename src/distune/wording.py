@@ -60,14 +60,25 @@ def format_gain(value: Any, missing: str = "-", margin: Any = None) -> str:
     return f"{gain:+.1%}" if half_width is None else f"{gain:+.1%} ± {half_width:.1%}"
 
 
+def counted(number: Any, noun: str, plural: str | None = None) -> str:
+    """``number`` and ``noun``, plural unless ``number`` is 1: ``1 node``, ``2 nodes``, ``0 nodes``.
+
+    ``plural`` defaults to ``noun + "s"``; a count that is not a number (``None``, ``"?"`` from
+    a malformed answer) takes the plural, since it is not known to be one.
+    """
+    one = not isinstance(number, bool) and isinstance(number, int | float) and number == 1
+    return f"{number} {noun if one else (plural or noun + 's')}"
+
+
 def describe_registration(registration: Any, missing: str = "unknown facts") -> str:
     """A registration's facts (``/status``'s ``registration``) in words, e.g. ``8 ranks
     (2 nodes x 4), 1048576 gradient bytes``."""
     try:
         return (
-            f"{int(registration['world_size'])} ranks ({int(registration['nnodes'])} nodes x "
+            f"{counted(int(registration['world_size']), 'rank')} "
+            f"({counted(int(registration['nnodes']), 'node')} x "
             f"{int(registration['local_world_size'])}), "
-            f"{int(registration['gradient_bytes'])} gradient bytes"
+            f"{counted(int(registration['gradient_bytes']), 'gradient byte')}"
         )
     except (KeyError, TypeError, ValueError):
         return missing

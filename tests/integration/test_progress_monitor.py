@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import signal
 
 import pytest
@@ -69,7 +70,10 @@ def test_one_line_per_event_then_the_choice(service):
     assert lines[0] == "autotune m: warmup over, sampling up to 3 groups"
     samples = [line for line in lines if " sample " in line]
     assert samples[0].startswith("autotune m sample 1/3: bucket 2^20 B (1 MiB), flat -> ")
-    assert samples[0].endswith("it/s (+0.0% vs default)")
+    assert samples[0].endswith("it/s (the default group)")
+    # The default has one sample yet, the job's first after warmup: the line says so, and
+    # gives the interval the log carries, as the summary does for the choice.
+    assert re.search(r"it/s \([+-]\d+\.\d% ± \d+\.\d% vs the default's first sample\)$", samples[1])
     assert 2 <= len(samples) <= 3
     assert [line.split(":")[0].split()[-1] for line in samples] == [
         f"{n}/3" for n in range(1, len(samples) + 1)
@@ -95,7 +99,7 @@ def test_a_model_registered_again_with_other_facts_is_followed_afresh(service):
     assert drive(service, [monitor], windows=200, facts=unfrozen)["completed"]
     lines = out.getvalue().splitlines()[len(first) :]
     assert lines[0] == (
-        "autotune m: registered again with other facts (2 ranks (1 nodes x 2), 4194304 "
+        "autotune m: registered again with other facts (2 ranks (1 node x 2), 4194304 "
         "gradient bytes), tuning it afresh"
     )
     assert lines[1] == "autotune m: warmup over, sampling up to 3 groups"

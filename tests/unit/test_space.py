@@ -86,6 +86,12 @@ def test_bucket_size_in_bytes_must_be_positive_whole(nbytes):
         bucket_size_2p_for(nbytes)
 
 
+def test_bucket_size_in_bytes_is_at_most_2_48_as_at_every_entry_point():
+    assert bucket_size_2p_for(2**48) == 48
+    with pytest.raises(HyperparameterError, match=r"at most 2\*\*48 bytes, got 281474976710657"):
+        bucket_size_2p_for(2**48 + 1)  # rounded to 2**48 before: the launcher refuses it
+
+
 def test_space_spans_64k_to_model_size_and_both_shapes_on_multi_node():
     space = SearchSpace.for_model(MULTI_NODE)
     assert (space.min_bucket_size_2p, space.max_bucket_size_2p) == (16, 27)  # 100 MiB -> 2**27

@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from distune.wording import describe_hyperparameters, format_gain, format_rate
+from distune.wording import counted, describe_hyperparameters, format_gain, format_rate
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -109,10 +109,10 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stdout
     # A model registered again with other facts is one run per registration, not more models.
     models = len({str(model_run.samples["model"].iloc[0]) for model_run in runs})
-    counted = f"{models} model{'s' if models != 1 else ''}"
+    heading = counted(models, "model")
     if len(runs) > models:
-        counted += f", {len(runs)} registrations"
-    print(f"tuning log {args.log}: {counted}", file=out)
+        heading += f", {len(runs)} registrations"
+    print(f"tuning log {args.log}: {heading}", file=out)
     print(to_text(summary(runs)), file=out)
     if args.samples:
         for model_run in runs:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from distune.cli import CommandError
 from distune.cli.chosen_marker import mark_chosen
-from distune.wording import RATE_UNIT, describe_hyperparameters, format_gain, format_rate
+from distune.wording import RATE_UNIT, counted, describe_hyperparameters, format_gain, format_rate
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -110,7 +110,7 @@ def _draw_model(axes: Axes, run: ModelRun) -> None:
         linewidth=1,
         label=f"default group level ({format_rate(default_score)})",
     )
-    title = f"{run.name}: {len(samples)} samples"
+    title = f"{run.name}: {counted(len(samples), 'sample')}"
     if run.choice is not None:
         choice = run.choice
         chosen = describe_hyperparameters(

@@ -16,6 +16,7 @@ from distune.cli.chosen_marker import mark_chosen
 from distune.tuning_service.trials.trial_config import STRATEGY_NAMES
 from distune.tuning_service.trials.trial_result import OK, THROUGHPUT, TrialResult
 from distune.tuning_service.trials.trial_search import chosen, ranking
+from distune.wording import counted
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -95,7 +96,7 @@ def _draw_throughput(axes: Axes, trials: list[TrialResult]) -> None:
             color="#333333",
         )
     chosen = best(trials)
-    heading = f"{len(trials)} trials"
+    heading = counted(len(trials), "trial")
     if chosen is not None:
         trial, mean = chosen
         mark_chosen(axes, trial.trial, mean, f"best: {trial.config.describe()}")
@@ -126,7 +127,7 @@ def _draw_memory(axes: Axes, trials: list[TrialResult]) -> None:
         axes.plot([low, high], [low, high], color="#4d4d4d", linestyle="--", linewidth=1)
         errors = [abs(p - m) / m for _, p, m in points]
         heading = (
-            f"peak memory per rank, {len(points)} trials: prediction error\n"
+            f"peak memory per rank, {counted(len(points), 'trial')}: prediction error\n"
             f"mean {100 * sum(errors) / len(errors):.1f} %, max {100 * max(errors):.1f} %"
         )
         axes.legend(fontsize=7, loc="upper left")

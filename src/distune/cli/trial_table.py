@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from distune.wording import counted
+
 HEADER = (
     "TRIAL", "PURPOSE", "STRATEGY", "MICRO x ACC", "OUTCOME", "THROUGHPUT", "IQR",
     "PREDICTED", "MEASURED", "BEST",
@@ -56,8 +58,11 @@ def _throughput(record: dict[str, Any]) -> tuple[str, str]:
 def _headline(trials: dict[str, Any]) -> str:
     records = trials.get("trials") or []
     nodes = trials.get("nnodes")
-    on = f" on {nodes} node{'s' if nodes != 1 else ''}" if isinstance(nodes, int) else ""
-    parts = [f"level 2: {trials.get('state', '?')}{on}", f"{len(records)} trials recorded"]
+    on = f" on {counted(nodes, 'node')}" if isinstance(nodes, int) else ""
+    parts = [
+        f"level 2: {trials.get('state', '?')}{on}",
+        f"{counted(len(records), 'trial')} recorded",
+    ]
     running = trials.get("running")
     if isinstance(running, dict):
         spec = running.get("spec") or {}

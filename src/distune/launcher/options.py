@@ -39,6 +39,7 @@ from torch.distributed.run import (
 from distune.checks import InvalidValue, positive_seconds, whole_number_text
 from distune.errors import ConfigError
 from distune.launcher.config_file import load_config
+from distune.space import BUCKET_SIZE_2P_LIMITS
 from distune.tuning_service.config import TuningConfig, declared
 from distune.tuning_service.trials.trial_config import CONFIG_KEYS, TrialConfigError, TrialPins
 from distune.tuning_service.trials.trial_result import METRICS
@@ -178,7 +179,13 @@ def flag_field(
 _TUNING_SETTINGS = {item.name: setting for item, setting in declared(TuningConfig)}
 _level = _whole_number(0, 2, "0, 1 or 2")
 _positive_int = _whole_number(1, None, "an integer of at least 1")
-_bytes = _whole_number(1, None, "a positive whole number of bytes")
+# A bucket size is held as a power of two up to 2**48 (BUCKET_SIZE_2P_LIMITS); a larger one is
+# refused here, by flag, rather than by a traceback when the service is started.
+_bytes = _whole_number(
+    1,
+    1 << BUCKET_SIZE_2P_LIMITS[1],
+    f"a positive whole number of bytes, at most 2**{BUCKET_SIZE_2P_LIMITS[1]} (256 TiB)",
+)
 _port = _whole_number(0, 65535, "a port in [0, 65535] (0: a free one)")
 
 

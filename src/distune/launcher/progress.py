@@ -19,7 +19,13 @@ from typing import Any, TextIO
 
 from distune.launcher.service_process import TuningServiceProcess
 from distune.space import HyperparameterError, Hyperparameters
-from distune.wording import describe_group, describe_registration, format_gain, format_rate
+from distune.wording import (
+    counted,
+    describe_group,
+    describe_registration,
+    format_gain,
+    format_rate,
+)
 
 #: Seconds between two polls of the service.
 POLL_INTERVAL = 1.0
@@ -143,7 +149,8 @@ class ProgressMonitor:
         samples = model.get("samples", 0) + sum(e.get("samples", 0) for e in earlier)
         if progress.state in ("", "warmup") and state in ("sampling", "completed"):
             self._print(
-                f"autotune {name}: warmup over, sampling up to {model.get('max_samples')} groups"
+                f"autotune {name}: warmup over, sampling up to "
+                f"{counted(model.get('max_samples'), 'group')}"
             )
         news = samples != progress.samples_seen or (
             state == "completed" and progress.state != "completed"
@@ -165,8 +172,8 @@ class ProgressMonitor:
         if text is None:
             return False
         rows = [row for row in csv.DictReader(io.StringIO(text)) if row.get("phase") != "completed"]
-        for row in rows[progress.rows_seen :]:
-            self._print(_sample_line(name, row, model.get("max_samples")))
+        for line in _sample_lines(name, rows, model.get("max_samples"))[progress.rows_seen :]:
+            self._print(line)
         progress.rows_seen = max(progress.rows_seen, len(rows))
         return True
 
@@ -208,12 +215,45 @@ def _group_id(row: dict[str, str]) -> int:
         return -1
 
 
-def _sample_line(name: str, row: dict[str, str], max_samples: Any) -> str:
+def _sample_lines(name: str, rows: list[dict[str, str]], max_samples: Any) -> list[str]:
+    """One line per sample row of the log (earlier registrations' included, oldest first).
+
+    A row's ``gain_vs_default`` divides by the default group's score at that moment: its
+    first sample alone until it has a later one (then those, the first left out). That first
+    sample is the job's first after warmup, often slowed by it, so until the default has a
+    second the line says it compares with "the default's first sample"; a gain shown with its
+    interval (the row's ``gain_margin``) is what the summary judges a choice by.
+    """
+    lines = []
+    default: tuple[str | None, str | None] | None = None
+    default_rows = 0
+    for row in rows:
+        knobs = (row.get("bucket_size_2p"), row.get("is_hierarchical_reduce"))
+        if row.get("phase") == "default":  # a registration's session begins
+            default, default_rows = knobs, 0
+        if knobs == default:
+            default_rows += 1
+        if knobs == default and default_rows == 1:
+            versus = None  # the default's first sample itself
+        elif default_rows == 1:
+            versus = "vs the default's first sample"
+        else:
+            versus = "vs default"
+        lines.append(_sample_line(name, row, max_samples, versus))
+    return lines
+
+
+def _sample_line(name: str, row: dict[str, str], max_samples: Any, versus: str | None) -> str:
+    """A sample row in words; ``versus`` says what its gain compares with (None: the row is
+    the default group's first sample, the base of the gains)."""
     sample = f"autotune {name} sample {row.get('sample', '?')}/{max_samples}"
     try:
         hierarchical = row["is_hierarchical_reduce"] == "True"
         group = Hyperparameters(int(row["bucket_size_2p"]), hierarchical).describe()
     except (KeyError, ValueError, HyperparameterError):
         return f"{sample}: (unreadable log row)"
-    rate, gain = format_rate(row.get("score")), format_gain(row.get("gain_vs_default"))
-    return f"{sample}: {group} -> {rate} ({gain} vs default)"
+    rate = format_rate(row.get("score"))
+    if versus is None:
+        return f"{sample}: {group} -> {rate} (the default group)"
+    gain = format_gain(row.get("gain_vs_default"), margin=row.get("gain_margin"))
+    return f"{sample}: {group} -> {rate} ({gain} {versus})"

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from distune.wording import describe_group, describe_registration, format_gain, format_rate
+from distune.wording import (
+    counted,
+    describe_group,
+    describe_registration,
+    format_gain,
+    format_rate,
+)
 
 
 def format_summary(
@@ -30,7 +36,8 @@ def format_summary(
         best = model.get("best")
         lines.append(
             f"distune: model {name}: {model.get('state')} after "
-            f"{model.get('samples')} of at most {model.get('max_samples')} samples{as_of}"
+            f"{model.get('samples')} of at most {counted(model.get('max_samples'), 'sample')}"
+            f"{as_of}"
         )
         lines.extend(_earlier(model))
         if best is None:

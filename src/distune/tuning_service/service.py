@@ -42,6 +42,7 @@ from distune.tuning_service.session import (
 )
 from distune.tuning_service.trial_board import TrialBoard
 from distune.tuning_service.tuning_log import TuningLog
+from distune.wording import counted
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ class TuningService:
         sessions = sum(len(model.entries) for model in self._models.values())
         if sessions >= self.config.max_models:
             raise RegistrationError(
-                f"this service tunes at most {self.config.max_models} models (a model "
+                f"this service tunes at most {counted(self.config.max_models, 'model')} (a model "
                 f"registered again with other facts counts again); {name!r} is one too many"
             )
 

@@ -41,6 +41,7 @@ from distune.tuning_service.trials.trial_result import (
     THROUGHPUT,
     TIMEOUT,
 )
+from distune.wording import counted
 
 WAITING = "waiting"
 TUNING = "tuning"
@@ -191,7 +192,8 @@ class TrialBoard:
             self._check_open(f"publishing trial {spec.trial}")
             if self._nnodes is not None and spec.nnodes != self._nnodes:
                 raise TrialConflictError(
-                    f"nnodes: this tuning's trials run on {self._nnodes} nodes, got {spec.nnodes}"
+                    f"nnodes: this tuning's trials run on {counted(self._nnodes, 'node')}, "
+                    f"got {spec.nnodes}"
                 )
             self._check_next(spec.trial, f"publishing trial {spec.trial}")
             self._nnodes, self._metric = spec.nnodes, spec.metric

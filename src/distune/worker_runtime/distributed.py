@@ -281,8 +281,20 @@ class DistributedDataParallel(nn.Module, Joinable):
     ) -> None:
         assert self._reducer is not None
         process_group = self._process_group()
-        self.name = NAMES_IN_USE.name_for(self.name, self._reducer.params, process_group)
+        self.name = NAMES_IN_USE.name_for(self.name, self.module, process_group)
         session = tuning_name(self.name, process_group)
+        shared_with = NAMES_IN_USE.sharing(self.module, self._reducer.params)
+        if shared_with and self.topology.rank == 0:
+            logger.warning(
+                "model %r shares parameters with the live DistributedDataParallel %s of another "
+                "module (tied weights): each is tuned under its own name, and a backward "
+                "through both raises ReductionError (each would average the shared gradients, "
+                "the second what the first is still averaging). Wrap one module holding both "
+                "(an nn.ModuleDict), or, if this wrapper replaces the other, wrap the same "
+                "module again (model.module) or drop the other first (del model)",
+                self.name,
+                " and ".join(repr(name) for name in shared_with),
+            )
         client = None
         if self.topology.rank == 0:
             assert settings.service_url is not None
@@ -297,7 +309,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._sync = SyncPoints(
             process_group, self._comm_device, client, hyperparameters, settings.sync_interval
         )
-        claim = NAMES_IN_USE.claim(session, self._reducer.params, self._sync.stop, client)
+        claim = NAMES_IN_USE.claim(
+            session, self.module, self._reducer.params, self._sync.stop, client
+        )
         self._name_claim = claim
         self._reducer.on_iteration = self._sync.after_iteration
         if client is not None:

@@ -13,13 +13,18 @@ The service keeps one tuning session per name. Two sessions must never be fed by
   leader: each subgroup is its own job as far as tuning goes, so its session is named
   ``<name>.r<first global rank of the subgroup>`` (the whole job keeps ``<name>``).
 
-A new wrapper over parameters an older live wrapper of the same name also holds (re-wrapping
-after unfreezing part of a model) replaces it: the old one's tuning stops, as the old wrapper of
-torch DDP goes inert, and the name passes to the new one. Its leader registers the name again
-with its own facts (more gradient bytes), which the service tunes afresh, once the old leader's
-thread has ended (``_Holder.replaced``; docs/worker_runtime.md, "Names"). So does a wrapper
-whose name was last held by a wrapper since dropped (``del model``, then the module wrapped
-again): the dropped wrapper's thread may still be posting its last report.
+A new wrapper of the module an older live wrapper of the same name wraps (re-wrapping
+``model.module`` after unfreezing part of it) replaces it: the old one's tuning stops, as the
+old wrapper of torch DDP goes inert, and the name passes to the new one. Its leader registers
+the name again with its own facts (more gradient bytes), which the service tunes afresh, once
+the old leader's thread has ended (``_Holder.replaced``; docs/worker_runtime.md, "Names"). So
+does a wrapper whose name was last held by a wrapper since dropped (``del model``, then the
+module wrapped again): the dropped wrapper's thread may still be posting its last report.
+
+A wrapper of *another* module that shares parameters with a live wrapper (tied weights: an
+encoder and a decoder sharing an embedding) is another model, not a re-wrap: it takes no name
+over (the older one would silently stop tuning), it is numbered on or refused like any other
+second model, and :meth:`NameRegistry.sharing` lets its constructor warn, naming both.
 """
 
 from __future__ import annotations
@@ -63,11 +68,14 @@ class _Holder:
 
     def __init__(
         self,
+        module: torch.nn.Module,
         params: Sequence[torch.Tensor],
         stop: Callable[[], None],
         client: LeaderClient | None,
         replaced: LeaderClient | None,
     ) -> None:
+        # Weak: the claim must not keep a dropped wrapper's module alive.
+        self.module = weakref.ref(module)
         self.param_ids = {id(p) for p in params}
         self.stop = stop
         self.client = client
@@ -88,45 +96,54 @@ class NameRegistry:
         # registration of the name (the service would take it for a second live model).
         self._last_clients: dict[str, LeaderClient] = {}
 
-    def name_for(
-        self, name: str, params: Sequence[torch.Tensor], process_group: dist.ProcessGroup
-    ) -> str:
-        """The name a new wrapper of ``params`` over ``process_group`` asked for ``name`` is
+    def name_for(self, name: str, module: torch.nn.Module, process_group: dist.ProcessGroup) -> str:
+        """The name a new wrapper of ``module`` over ``process_group`` asked for ``name`` is
         tuned under: ``name``, or for the default name the first ``model<k>`` free; one held
-        by an older wrapper of the same parameters is free (:meth:`claim` takes it over).
+        by an older wrapper of the same module is free (:meth:`claim` takes it over).
         Raises :class:`ModelNameError` if another model holds a name that was given."""
-        ids = {id(p) for p in params}
         numbered = name == DEFAULT_NAME
         for number in itertools.count():
             candidate = f"model{number}" if numbered else name
             previous = self._holders.get(tuning_name(candidate, process_group))
-            if previous is None or not previous.param_ids.isdisjoint(ids):
+            if previous is None or previous.module() is module:
                 return candidate
             if not numbered:
                 break
         raise ModelNameError(
             f"two models are named {name!r} in this process: the tuning service keeps one "
             "session per name, so give each DistributedDataParallel its own name= (e.g. "
-            "name='generator' and name='discriminator')"
+            "name='generator' and name='discriminator'); a module wrapped again takes its "
+            "name over only if it is the same module (wrap model.module again)"
+        )
+
+    def sharing(self, module: torch.nn.Module, params: Sequence[torch.Tensor]) -> list[str]:
+        """The names of the live wrappers of other modules than ``module`` that hold some of
+        ``params`` (tied weights across two wrappers), in name order."""
+        ids = {id(p) for p in params}
+        return sorted(
+            name
+            for name, holder in list(self._holders.items())
+            if holder.module() is not module and not holder.param_ids.isdisjoint(ids)
         )
 
     def claim(
         self,
         session: str,
+        module: torch.nn.Module,
         params: Sequence[torch.Tensor],
         stop: Callable[[], None],
         client: LeaderClient | None = None,
     ) -> _Holder:
         """Claim ``session`` (a :func:`tuning_name` from :meth:`name_for`) for a wrapper of
-        ``params`` whose leader client (rank 0) is ``client``; the caller keeps the returned
-        claim alive as long as the wrapper. The wrapper holding it before (one of the same
-        parameters) stops tuning; the last client that claimed ``session``, whether its wrapper
-        lives or not, is the claim's ``replaced``: ``stop`` is what ends this wrapper's tuning
-        when a newer wrapper takes the name over in turn."""
+        ``module`` averaging ``params`` whose leader client (rank 0) is ``client``; the caller
+        keeps the returned claim alive as long as the wrapper. The wrapper holding it before
+        (one of the same module) stops tuning; the last client that claimed ``session``,
+        whether its wrapper lives or not, is the claim's ``replaced``: ``stop`` is what ends
+        this wrapper's tuning when a newer wrapper takes the name over in turn."""
         previous = self._holders.get(session)
         if previous is not None:
             previous.stop()
-        holder = _Holder(params, stop, client, self._last_clients.get(session))
+        holder = _Holder(module, params, stop, client, self._last_clients.get(session))
         if client is not None:
             self._last_clients[session] = client
         self._holders[session] = holder

@@ -91,6 +91,7 @@ def test_hierarchical_off(spelling):
         (["--autotune_sampling_confidence_time", "inf"], "must be a positive number of seconds"),
         (["--bucket_size", "1.5"], "--bucket-size: must be a positive whole number of bytes"),
         (["--default_bucket_size", "-4"], "must be a positive whole number of bytes"),
+        (["--bucket_size", str(2**60)], "--bucket-size: must be a positive whole number of bytes, at most 2**48 (256 TiB), got '1152921504606846976'"),
         (["--autotune_service_port", "70000"], "must be a port in [0, 65535]"),
         (["--autotune_service_addr", "node0:29501"], "must be a URL like http://HOST:PORT"),
         (["--autotune_service_addr", "http://node0"], "must be a URL like http://HOST:PORT"),
@@ -186,7 +187,10 @@ def test_best_file_is_a_config_file(tmp_path):
             "the top level, and its other settings as flags (--autotune_level 2",
         ),
         ("autotune_warmup_time: -2\n", "autotune_warmup_time must be a positive number of seconds"),
-        ("bucket_size: true\n", "bucket_size must be a positive whole number of bytes, got True"),
+        (
+            "bucket_size: true\n",
+            "bucket_size must be a positive whole number of bytes, at most 2**48 (256 TiB), got True",
+        ),
         (
             "autotune_warmup_time: yes\n",
             "autotune_warmup_time must be a positive number of seconds, got True",

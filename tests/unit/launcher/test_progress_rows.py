@@ -1,6 +1,7 @@
 """The launcher's progress lines against the real service in this process: one line per log
 row, whatever the rows per sample (a close call's legs) and the registrations of a model."""
 
+import csv
 import io
 import random
 
@@ -134,3 +135,34 @@ def test_a_dead_service_never_names_a_choice_logged_late_by_an_earlier_registrat
             "training goes on: each model keeps the last group the service gave it (rank 0 names it)"
         )
     )
+
+
+def test_gains_say_they_compare_with_the_default_s_first_sample_until_it_has_a_second():
+    # A row's gain divides by the default's score at that moment: its first sample alone (the
+    # job's first after warmup) until it is measured again. A line read "+71 % vs default"
+    # against that slow first sample while the summary rightly claimed nothing.
+    service, noise = TuningService(CONFIG), random.Random(1)
+    out = io.StringIO()
+    monitor = ProgressMonitor(InProcessService(service), out=out)
+    drive(service, {**FACTS, "gradient_bytes": 2**24}, lambda s: s["state"] == "completed", noise)
+    drive(service, {**FACTS, "gradient_bytes": 2**26}, lambda s: s["samples"] >= 2, noise)
+    monitor.poll()
+    rows = list(csv.DictReader(io.StringIO(service.log_csv("m"))))
+    rows = [row for row in rows if row["phase"] != "completed"]
+    lines = [line for line in out.getvalue().splitlines() if " sample " in line]
+    assert len(lines) == len(rows)
+    head = next(i for i, row in enumerate(rows[1:], 1) if row["phase"] == "default")
+    default = [(r["bucket_size_2p"], r["is_hierarchical_reduce"]) for r in (rows[0], rows[head])]
+    again = next(
+        i
+        for i, row in enumerate(rows[1:head], 1)
+        if (row["bucket_size_2p"], row["is_hierarchical_reduce"]) == default[0]
+    )
+    assert 1 < again < head, "the default was not measured again"
+    for start, end in ((0, again), (head, len(rows))):
+        assert lines[start].endswith(" it/s (the default group)"), lines[start]
+        for line in lines[start + 1 : end]:
+            assert line.endswith(" vs the default's first sample)"), line
+    for line in lines[again:head]:
+        assert line.endswith("% vs default)") and " ± " in line, line
+    assert head + 1 < len(rows)

@@ -27,6 +27,13 @@ def test_completed_model_shows_choice_scores_gain_and_files():
     assert "best-file: /tmp/best.json" in text
 
 
+def test_a_budget_of_one_sample_reads_in_the_singular():
+    status = {"models": {"m": {"state": "completed", "samples": 1, "max_samples": 1}}}
+    assert "model m: completed after 1 of at most 1 sample\n" in "\n".join(
+        [*format_summary(status, None, None), ""]
+    )
+
+
 def test_model_without_a_choice_shows_its_current_group():
     status = {
         "models": {

@@ -220,6 +220,18 @@ def test_registration_fixed_knobs_are_merged_over_the_job_wide_ones():
     }
 
 
+def test_a_pinned_bucket_below_the_search_floor_is_kept_and_one_beyond_the_limit_is_400(client):
+    # The 2**16 floor bounds what the tuner tries; a pin is the user's, as torch DDP's
+    # bucket_cap_mb is, and the worker runs it as given, so the service agrees with it.
+    reply = register(client, fixed={"bucket_size_2p": 10})
+    assert reply["group"]["hyperparameters"]["bucket_size_2p"] == 10
+    response = client.post(
+        "/api/v1/models/n/register", json={**REGISTRATION, "fixed": {"bucket_size_2p": 49}}
+    )
+    assert response.status_code == 400
+    assert response.get_json()["error"] == "fixed: bucket_size_2p must be in [0, 48], got 49"
+
+
 def test_reregistration_resumes_and_other_facts_start_afresh(client):
     # test_tuning_reregistration.py has the cases; this is the REST round trip.
     register(client)
@@ -242,6 +254,10 @@ def test_the_number_of_models_is_bounded():
     assert response.status_code == 409
     assert "at most 2 models" in response.get_json()["error"]
     assert register(client, "a")["group"]["id"] == 0  # known models still re-register
+    one = make_client(TuningConfig(max_models=1))
+    register(one, "a")
+    error = one.post("/api/v1/models/b/register", json=REGISTRATION).get_json()["error"]
+    assert error.startswith("this service tunes at most 1 model (a model registered")
 
 
 def test_wrong_method_and_unknown_route_are_json(client):

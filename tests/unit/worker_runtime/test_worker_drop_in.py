@@ -231,6 +231,37 @@ def test_rewrapping_the_same_parameters_takes_the_name_over(tuning_world):
         assert not new._sync.stopped
 
 
+def test_a_second_module_sharing_a_parameter_is_another_model_and_named_in_a_warning(
+    tuning_world, caplog
+):
+    # Tied weights: an encoder and a decoder sharing an embedding, each wrapped. torch's DDP
+    # allows it; before, the second took model0 over (it held a parameter of the first) and
+    # the first silently stopped tuning.
+    with ScriptedService() as service:
+        tuning_world(service.url)
+        shared = nn.Linear(16, 16)
+        with caplog.at_level(logging.WARNING):
+            encoder = distune.DistributedDataParallel(nn.Sequential(shared, nn.Linear(16, 4)))
+            decoder = distune.DistributedDataParallel(nn.Sequential(shared, nn.Linear(16, 2)))
+        assert (encoder.name, decoder.name) == ("model0", "model1")
+        assert not encoder._sync.stopped and not decoder._sync.stopped
+        warnings = [
+            r.getMessage()
+            for r in caplog.records
+            if r.levelno >= logging.WARNING and "shares parameters" in r.getMessage()
+        ]
+        assert len(warnings) == 1, "once, on rank 0, for the second wrapper"
+        assert warnings[0].startswith(
+            "model 'model1' shares parameters with the live DistributedDataParallel 'model0' "
+            "of another module (tied weights)"
+        )
+        tied = distune.DistributedDataParallel(nn.Sequential(shared), name="tied")
+        with pytest.raises(ModelNameError, match=r"two models are named 'tied'"):
+            distune.DistributedDataParallel(nn.Sequential(shared, nn.ReLU()), name="tied")
+        assert not tied._sync.stopped
+        assert not encoder._sync.stopped
+
+
 @pytest.mark.parametrize("dropped", [False, True], ids=["old-kept", "old-dropped"])
 def test_a_model_wrapped_again_after_unfreezing_registers_its_new_facts_after_the_old(
     tuning_world, caplog, dropped
