@@ -28,8 +28,9 @@ from torch.distributed.device_mesh import init_device_mesh
 import distune
 from distune import Hyperparameters
 from distune.algorithms import AsyncModelAverage
+from distune.worker_runtime import distributed
 from distune.worker_runtime.distributed import UnsupportedModuleError
-from distune.worker_runtime.model_names import ModelNameError
+from distune.worker_runtime.model_names import ModelNameError, NameRegistry
 from distune.worker_runtime.reducer import ReductionError
 from distune.worker_runtime.torch_ddp_arguments import TorchDDPArguments, UnsupportedArgumentError
 
@@ -52,6 +53,10 @@ def world(monkeypatch):
 @pytest.fixture
 def tuning_world(monkeypatch):
     """As test_worker_tuning's: a one-rank world tuning against the service at a URL."""
+
+    # Names as in a fresh process: a wrapper an earlier test keeps alive (a failed test's
+    # traceback holds its frames) must not number this test's models on.
+    monkeypatch.setattr(distributed, "NAMES_IN_USE", NameRegistry())
 
     def start(url: str) -> None:
         monkeypatch.setenv("DISTUNE_AUTOTUNE_LEVEL", "1")
@@ -300,13 +305,15 @@ def test_a_model_wrapped_again_after_unfreezing_registers_its_new_facts_after_th
         with caplog.at_level(logging.WARNING):
             model = distune.DistributedDataParallel(module)
             train_until(model, lambda: ("report", 2) in done)
+            # Read while the service is up: once it stops, a report still in flight warns.
+            warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert model.name == "model0" and head_client._stop.is_set()
     assert model.hyperparameters == service.unfrozen, "the new session's group was applied"
     registrations = [i for i, (action, _) in enumerate(done) if action == "register"]
     assert [done[i][1] for i in registrations] == [head_bytes, all_bytes]
     assert ("report", 1) in done[registrations[0] : registrations[1]], "no report was in flight"
     assert ("report", 1) not in done[registrations[1] :]
-    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert warned == []
 
 
 def test_a_refused_registration_shows_the_services_message_and_stops_tuning(tuning_world, caplog):

@@ -24,12 +24,14 @@ from torch import nn
 import distune
 from distune import Hyperparameters
 from distune.space import FixedKnobs, ModelFacts, SearchSpace
+from distune.worker_runtime import distributed
 from distune.worker_runtime.leader_client import (
     ClientConfig,
     LeaderClient,
     ServiceAnswer,
     WindowReport,
 )
+from distune.worker_runtime.model_names import NameRegistry
 
 FACTS = ModelFacts(world_size=2, nnodes=1, local_world_size=2, gradient_bytes=2**20)
 SPACE = SearchSpace.for_model(FACTS)
@@ -327,6 +329,10 @@ def test_a_client_started_after_a_replaced_one_registers_after_its_last_report()
 
 @pytest.fixture
 def tuning_world(monkeypatch):
+    # Names as in a fresh process: a wrapper an earlier test keeps alive (a failed test's
+    # traceback holds its frames) must not number this test's models on.
+    monkeypatch.setattr(distributed, "NAMES_IN_USE", NameRegistry())
+
     def start(url: str) -> None:
         monkeypatch.setenv("DISTUNE_AUTOTUNE_LEVEL", "1")
         monkeypatch.setenv("DISTUNE_SERVICE_URL", url)
