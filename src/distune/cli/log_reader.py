@@ -15,7 +15,6 @@ started on) standing for the default group; Bagua records neither seconds nor a 
 
 from __future__ import annotations
 
-import bisect
 import io
 import os
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import pandas as pd
 
 from distune.cli import CommandError
 from distune.cut_line import parse_keeping_finished
+from distune.registrations import registration_of
 
 #: The columns the commands read, with how each is parsed; a log has these and more.
 NUMERIC_COLUMNS = ("bucket_size_2p", "score", "train_iter", "sample", "seconds", "gain_vs_default")
@@ -151,27 +151,16 @@ def _runs(text: str, path: Path) -> list[ModelRun]:
 
 
 def _registrations(rows: pd.DataFrame) -> list[pd.DataFrame]:
-    """A model's rows split by registration: a model registered again with other facts (wrapped
-    again after unfreezing layers, restarted on other nodes) is tuned afresh, in a session whose
-    rows start again at a ``default`` sample 1, which no session writes but first, and whose
-    group ids are above the earlier ones' (docs/tuning_service.md, "Re-registration"): rows go
-    by group id where the log has them, else by position. Never merged: one shape's samples
-    say nothing of another's."""
-    first = (rows["phase"] == DEFAULT) & (rows["sample"] == 1)
-    ids = pd.to_numeric(rows.get("group_id", pd.Series(dtype=float)), errors="coerce")
-    if first.any() and len(ids) == len(rows) and ids.notna().all():
-        # A session's group ids are above every earlier session's, and its first row holds
-        # its first id: a row belongs to the latest session begun at or below its id, even a
-        # choice an earlier session logged after the next one began (its decision was late).
-        firsts = sorted(set(ids[first]))
-        session = [max(0, bisect.bisect_right(firsts, group_id) - 1) for group_id in ids]
-        return [rows[[s == k for s in session]] for k in sorted(set(session))]
-    starts = [
-        position
-        for position, (phase, sample) in enumerate(zip(rows["phase"], rows["sample"], strict=True))
-        if position == 0 or (phase == DEFAULT and sample == 1)
-    ]
-    return [rows.iloc[a:b] for a, b in zip(starts, [*starts[1:], len(rows)], strict=True)]
+    """A model's rows split by registration (:func:`distune.registrations.registration_of`):
+    never merged, since one shape's samples say nothing of another's."""
+    ids = pd.to_numeric(rows.get("group_id", pd.Series(None, index=rows.index)), errors="coerce")
+    numbers = registration_of(
+        [
+            (phase, sample, None if pd.isna(group_id) else int(group_id))
+            for phase, sample, group_id in zip(rows["phase"], rows["sample"], ids, strict=True)
+        ]
+    )
+    return [rows[[n == k for n in numbers]] for k in sorted(set(numbers))]
 
 
 def _bagua_run(frame: pd.DataFrame, path: Path) -> ModelRun:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from distune.launcher.service_process import TuningServiceProcess
+from distune.registrations import registration_of
 from distune.space import HyperparameterError, Hyperparameters
 from distune.wording import (
     counted,
@@ -191,28 +192,29 @@ def _final_groups_in_log(path: str | None) -> dict[str, str]:
     except (OSError, UnicodeDecodeError, csv.Error):
         return {}
     final: dict[str, str] = {}
-    begun: dict[str, int] = {}  # each model's latest session's first group id
-    for row in rows:
-        model, group_id = row.get("model", ""), _group_id(row)
-        if row.get("phase") == "default" and row.get("sample") == "1":
-            begun[model] = max(group_id, begun.get(model, -1))
-            final.pop(model, None)  # a session starts: none of its choice yet
-        if row.get("phase") != "completed" or group_id < begun.get(model, -1):
-            continue
-        with contextlib.suppress(KeyError, ValueError, HyperparameterError):
-            hp = Hyperparameters(
-                int(row["bucket_size_2p"]), row["is_hierarchical_reduce"] == "True"
-            )
-            final[row["model"]] = hp.describe()
+    for model in dict.fromkeys(row.get("model", "") for row in rows):
+        own = [row for row in rows if row.get("model", "") == model]
+        numbers = registration_of(
+            [(r.get("phase", ""), _int(r.get("sample")), _int(r.get("group_id"))) for r in own]
+        )
+        latest = max(numbers, default=0)
+        for row, number in zip(own, numbers, strict=True):
+            if row.get("phase") != "completed" or number != latest:
+                continue
+            with contextlib.suppress(KeyError, ValueError, HyperparameterError):
+                hp = Hyperparameters(
+                    int(row["bucket_size_2p"]), row["is_hierarchical_reduce"] == "True"
+                )
+                final[model] = hp.describe()
     return final
 
 
-def _group_id(row: dict[str, str]) -> int:
-    """A log row's group id; -1 where it has none (a log of another version)."""
+def _int(value: str | None) -> int | None:
+    """A log field as an integer; None where it is missing or not one (another version)."""
     try:
-        return int(row.get("group_id") or -1)
+        return int(value) if value else None
     except ValueError:
-        return -1
+        return None
 
 
 def _sample_lines(name: str, rows: list[dict[str, str]], max_samples: Any) -> list[str]:
