@@ -42,7 +42,7 @@ FAST_TUNING = [
     "--nproc_per_node", "1",
     "--autotune_warmup_time", "1",
     "--autotune_sampling_confidence_time", "1",
-    # Two samples: a third would be a close call, whose legs (20 samples' time) outlast the job.
+    # Two samples: a third would be a close call, whose legs (40 samples' time) outlast the job.
     "--autotune_max_samples", "2",
 ]  # fmt: skip
 

@@ -13,7 +13,7 @@ from .conftest import SMALL_MLP
 
 pytestmark = pytest.mark.slow
 
-#: Long enough for three samples, one of them a close call (legs of 20 sampling times).
+#: Long enough for three samples, one of them a close call (legs of FAST_TUNING's 2 sampling times).
 JOB_SECONDS = "45"
 
 

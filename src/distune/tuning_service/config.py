@@ -264,7 +264,7 @@ class TuningConfig:
         _number(0.0, 1.0),
     )
     close_call_time: float = setting(
-        20.0,
+        40.0,
         "a close call's sample (the best group against the default while the gain is not "
         "proven) runs this many times sampling_confidence_time and min_windows, in legs of "
         "one sampling time that alternate the two",
