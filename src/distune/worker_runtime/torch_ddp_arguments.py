@@ -19,6 +19,7 @@ it does in torch's DDP or needs no work here, for the reason beside it:
 * ``process_group``, ``device_mesh`` (a 1-D mesh: its group): the ranks gradients are averaged
   over.
 * ``bucket_cap_mb``: pins the bucket size (MiB, rounded to a power of two of bytes); not tuned.
+  0 is torch's one bucket per parameter (1-byte buckets here).
 * ``find_unused_parameters``, ``skip_all_reduce_unused_params``: unused parameters are always
   handled, at no cost when all are used; the averages are torch's either way.
 * ``gradient_as_bucket_view``, ``batched_grad_copy``: gradients are always views of the buckets,
@@ -47,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distune.errors import DistuneError
+from distune.space import BUCKET_SIZE_2P_LIMITS
 
 #: Bytes in one of ``bucket_cap_mb``'s megabytes (torch counts MiB).
 MIB = 2**20
@@ -267,13 +269,18 @@ def _pinned_bytes(bucket_cap_mb: float | None, bucket_size: int | None) -> int |
         raise ValueError(
             "give bucket_size (bytes, distune's) or bucket_cap_mb (MiB, torch's), not both"
         )
+    top = BUCKET_SIZE_2P_LIMITS[1]
     if (
         isinstance(bucket_cap_mb, bool)
         or not isinstance(bucket_cap_mb, int | float)
         or not math.isfinite(bucket_cap_mb)
-        or bucket_cap_mb <= 0
+        or not 0 <= bucket_cap_mb * MIB <= 1 << top
     ):
-        raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
+        raise ValueError(
+            f"bucket_cap_mb must be a number of MiB from 0 (one bucket per parameter) to "
+            f"2**{top - 20} (256 TiB, the largest bucket), got {bucket_cap_mb!r}"
+        )
+    # torch's bucket_cap_mb=0 closes a bucket after every parameter: distune's 1-byte buckets.
     return max(1, round(bucket_cap_mb * MIB))
 
 

@@ -94,11 +94,21 @@ def test_bucket_cap_mb_pins_the_bucket_size(world):
     assert model.hyperparameters == Hyperparameters(12, False)
 
 
+def test_bucket_cap_mb_zero_is_torchs_bucket_per_parameter(world):
+    """torch takes 0 (it closes a bucket after every parameter); it was refused here."""
+    model = distune.DistributedDataParallel(mlp(), bucket_cap_mb=0)
+    assert model.hyperparameters == Hyperparameters(0, False)
+    assert len(model._reducer.bucket_sizes) == len(list(mlp().parameters()))
+    step(model)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
         ({"bucket_cap_mb": 1, "bucket_size": 2**20}, ValueError, "not both"),
-        ({"bucket_cap_mb": -1}, ValueError, "positive number of MiB"),
+        ({"bucket_cap_mb": -1}, ValueError, r"number of MiB from 0 .* to 2\*\*28 \(256 TiB"),
+        # It named the bucket size in bytes, which the script never gave.
+        ({"bucket_cap_mb": 2.0**30}, ValueError, r"bucket_cap_mb must be .* got 1073741824.0"),
         ({"output_device": "cuda:0"}, ValueError, "outputs stay on its device"),
         ({"device_ids": ["cuda:0"]}, ValueError, "device_ids=None for a CPU module"),
         ({"find_unused_parameters": "yes"}, TypeError, "find_unused_parameters must be True"),
