@@ -102,6 +102,20 @@ def test_failing_worker_fails_the_launch_and_stops_the_service(launch):
     assert port_is_free(urlsplit(url).port)
 
 
+def test_a_script_failing_before_wrapping_is_not_said_to_wrap_no_model(launch, tmp_path):
+    """The summary said the script wrapped no model in distune's wrapper, when it had failed
+    before getting there (a bad path, an import error)."""
+    script = tmp_path / "fails_early.py"
+    script.write_text("import sys\nsys.exit(5)\n")
+    run = launch(["--nproc_per_node", "1", "--autotune_level", "1", str(script)])
+    assert run.wait(timeout=60) == 5
+    assert (
+        "distune: no model registered with the tuning service: nothing was tuned (the job "
+        "failed with exit code 5 before any model registered; its error is above)"
+    ) in run.output
+    assert "wrapped no model" not in run.output
+
+
 def test_service_outlives_a_worker_restart(launch):
     # torch 2.13 restarts gloo workers reliably only with c10d rendezvous and a store of the
     # workers' own: torchrun's static default keeps one store for every attempt and hands a

@@ -170,9 +170,13 @@ def _check_resume(
 
 
 def _stop_service(
-    service: TuningServiceProcess, monitor: ProgressMonitor | None, options: AutotuneOptions
+    service: TuningServiceProcess,
+    monitor: ProgressMonitor | None,
+    options: AutotuneOptions,
+    exit_code: int | None,
 ) -> None:
-    """Stop the service and print the end-of-run summary."""
+    """Stop the service and print the end-of-run summary (``exit_code``: the job's, None when
+    it did not end on its own)."""
     if monitor is not None:
         monitor.stop()
     status = service.status()
@@ -187,7 +191,10 @@ def _stop_service(
         # has reported its results already, and "no model registered" would only mislead.
         return
     best_file = str(options.autotune_best_file) if options.autotune_best_file else None
-    for line in format_summary(status, service.log_file, best_file, service_gone=gone):
+    lines = format_summary(
+        status, service.log_file, best_file, service_gone=gone, exit_code=exit_code
+    )
+    for line in lines:
         print(line, flush=True)
 
 
@@ -224,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 
     service: TuningServiceProcess | None = None
     monitor: ProgressMonitor | None = None
+    exit_code: int | None = None
 
     def emergency_stop() -> None:
         if service is not None:
@@ -239,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             monitor.start()
         # Threads start only now: the service's start-up (preexec_fn) needs a thread-free fork.
         stop_signals.watch(emergency_stop, helpers=() if service is None else (service.pid,))
-        return _trials_then_workers(argv, args, options, plan)
+        exit_code = _trials_then_workers(argv, args, options, plan)
+        return exit_code
     except ServiceStartError as error:
         print(f"distune-run: error: tuning service: {error}{_port_hint(plan)}", file=sys.stderr)
         return 1
@@ -249,4 +258,4 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_signals.cleanup_started()
         if service is not None:
-            _stop_service(service, monitor, options)
+            _stop_service(service, monitor, options, exit_code)
