@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from distune.launcher.config_file import load_config
 from distune.launcher.main import main
 from distune.launcher.options import AutotuneOptions, check_training_script, parse
 
@@ -198,6 +199,13 @@ def test_best_file_is_a_config_file(tmp_path):
         ("hierarchical_reduce: 1\n", "hierarchical_reduce must be true or false, got 1"),
         ("[1, 2]\n", "must hold a mapping of setting names to values"),
         ("a: [unclosed\n", "is not valid YAML or JSON"),
+        # A key given twice: YAML and JSON parsers keep the last, silently (level 2 ran).
+        (
+            "autotune_level: 1\nautotune_max_samples: 5\nautotune_level: 2\n",
+            "c.yaml': key 'autotune_level' is given twice (lines 1 and 3): keep one",
+        ),
+        ('{"bucket_size": 4096, "bucket_size": 8192}', "is given twice (both on line 1)"),
+        ("zero_optimization:\n  stage: 1\n  stage: 3\n", "key 'stage' is given twice"),
     ],
 )
 def test_bad_config_files_exit_2_naming_the_key(tmp_path, text, message, capsys):
@@ -209,6 +217,12 @@ def test_bad_config_files_exit_2_naming_the_key(tmp_path, text, message, capsys)
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert message in err
+
+
+def test_a_yaml_merge_key_may_be_overridden_beside_it(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("zero_optimization:\n  <<: {stage: 1}\n  stage: 0\n")
+    assert load_config(path) == {"zero_optimization": {"stage": 0}}
 
 
 def test_a_config_file_may_hold_level_2_settings_for_a_run_at_another_level(tmp_path):
