@@ -555,7 +555,39 @@ def options_from_args(args: argparse.Namespace) -> AutotuneOptions:
             f"argument --{trials_only[0]}: only level 2 runs trials, and this job is level "
             f"{options.autotune_level}: add --autotune_level 2, or leave it out"
         )
+    _check_outputs(args, options)
     return options
+
+
+def _check_outputs(args: argparse.Namespace, options: AutotuneOptions) -> None:
+    """The log and the best-file are files of their own: the log is truncated as the service
+    starts (a training script would be emptied before any rank reads it), and the best-file
+    replaces its path when a model completes (the log would become JSON, rows gone). The
+    best-file may be the config file read now: the next run of that command reads the newer
+    choice."""
+    inputs = [("the config file (--autotune_config)", args.autotune_config)]
+    if not (args.module or args.no_python):
+        inputs.append(("the training script", args.training_script))
+    log, best = options.autotune_log_file, options.autotune_best_file
+    truncates = "which the log would empty as the service starts"
+    replaces = "which the best-file would replace when a model completes"
+    clashes = [("--autotune_log_file", log, "--autotune_best_file", best, replaces)]
+    clashes += [("--autotune_log_file", log, what, path, truncates) for what, path in inputs]
+    clashes += [("--autotune_best_file", best, what, path, replaces) for what, path in inputs[1:]]
+    for flag, output, what, other, why in clashes:
+        if output is not None and other is not None and _same_file(output, Path(other)):
+            raise OptionError(
+                f"argument {flag}: {str(output)!r} is also {what}, {why}; give {flag} a file "
+                "of its own"
+            )
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one file (through links too), existing or not."""
+    try:
+        return a.expanduser().resolve() == b.expanduser().resolve() or a.samefile(b)
+    except OSError:  # one does not exist (yet), or cannot be looked at
+        return False
 
 
 def local_world_size(args: argparse.Namespace) -> int:

@@ -320,3 +320,41 @@ def test_scripts_modules_and_commands_that_are_there_pass_the_check(tmp_path, mo
         ["--no-python", "true"],
     ):
         check_training_script(parse(launch)[0])
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--autotune_log_file", "out", "--autotune_best_file", "./out"],
+            "--autotune_log_file: 'out' is also --autotune_best_file, which the best-file would "
+            "replace when a model completes; give --autotune_log_file a file of its own",
+        ),
+        (
+            ["--autotune_log_file", "train.py"],
+            "'train.py' is also the training script, which the log would empty as the service "
+            "starts",
+        ),
+        (["--autotune_best_file", "hard.py"], "'hard.py' is also the training script"),
+        (
+            ["--autotune_config", "c.yaml", "--autotune_log_file", "c.yaml"],
+            "'c.yaml' is also the config file (--autotune_config), which the log would empty",
+        ),
+    ],
+)
+def test_the_log_and_best_file_may_not_overwrite_each_other_or_the_jobs_files(
+    tmp_path, monkeypatch, flags, message, capsys
+):
+    """Each was accepted: the log truncated the training script before any rank read it, and
+    the best-file replaced the log (same path) when the model completed."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('training')\n")
+    (tmp_path / "hard.py").hardlink_to("train.py")
+    (tmp_path / "c.yaml").write_text("autotune_level: 1\n")
+    with pytest.raises(SystemExit) as exit_info:
+        parse([*flags, "train.py"])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    # The config file may take the next choice: the command then reads it on its next run.
+    parse(["--autotune_config", "c.yaml", "--autotune_best_file", "c.yaml", "train.py"])
+    parse(["--autotune_log_file", "train.py", "-m", "train"])  # a module: no file of that path
