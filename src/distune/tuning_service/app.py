@@ -40,7 +40,7 @@ MAX_BODY_BYTES = 1024 * 1024
 #: Routes that answer without the bearer token: health, and the dashboard's page and files
 #: (code, no data; the page sends the token with each API call it makes).
 PUBLIC_ENDPOINTS = api.PUBLIC_ENDPOINTS | dashboard.ENDPOINTS
-#: The config key of the expected ``Authorization`` header's bytes (None: no token).
+#: The config key of the expected bearer token's bytes (None: no token).
 _BEARER = "DISTUNE_BEARER"
 
 
@@ -51,7 +51,7 @@ def create_app(service: TuningService, token: str | None = None) -> Flask:
     # A doubled slash (a model named "m/") is a 404, not an HTML redirect to another model's URL.
     app.url_map.merge_slashes = False
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
-    app.config[_BEARER] = None if token is None else f"Bearer {token}".encode()
+    app.config[_BEARER] = None if token is None else token.encode()
     app.json.sort_keys = False  # type: ignore[attr-defined]  # keep the documented field order
     app.extensions[api.EXTENSION] = service
     app.before_request(_authenticate)
@@ -70,8 +70,11 @@ def _authenticate() -> tuple[Response, int] | None:
     expected = current_app.config[_BEARER]
     if expected is None or request.endpoint in PUBLIC_ENDPOINTS:
         return None
-    given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-    if hmac.compare_digest(given, expected):
+    # The scheme is case-insensitive and followed by one or more spaces (RFC 7235 2.1, RFC
+    # 6750 2.1): `bearer <token>`, as some clients and proxies send it, is the same header.
+    scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
+    given = credentials.lstrip(" ").encode("utf-8", "surrogateescape")
+    if scheme.lower() == "bearer" and hmac.compare_digest(given, expected):
         return None
     response, status = _error(401, "a valid 'Authorization: Bearer <token>' header is needed")
     response.headers["WWW-Authenticate"] = 'Bearer realm="distune"'

@@ -320,6 +320,14 @@ class TestToken:
             assert client.get(path, headers=headers).status_code == 401
         assert client.get("/api/v1/status", headers=self.auth()).get_json() == {"models": {}}
 
+    @pytest.mark.parametrize("header", [f"bearer {TOKEN}", f"BEARER {TOKEN}", f"Bearer   {TOKEN}"])
+    def test_the_scheme_is_case_insensitive_as_rfc_7235_says(self, client, header):
+        """`bearer <token>` (curl users, some proxies) was refused with 401."""
+        response = client.get("/api/v1/status", headers={"Authorization": header})
+        assert response.status_code == 200
+        for wrong in (f"Basic {self.TOKEN}", f"Bearer {self.TOKEN} ", f"Bearer{self.TOKEN}"):
+            assert client.get("/api/v1/status", headers={"Authorization": wrong}).status_code == 401
+
     def test_the_right_token_is_served(self, client):
         response = client.post("/api/v1/models/m/register", json=REGISTRATION, headers=self.auth())
         assert response.status_code == 200
