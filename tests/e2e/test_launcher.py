@@ -137,12 +137,20 @@ def test_service_outlives_a_worker_restart(launch):
     assert run.leftovers() == []
 
 
-def test_level_0_starts_no_service(launch):
-    run = launch(["--nproc_per_node", "2", *SMALL_MLP, "--steps", "200"])
+def test_level_0_starts_no_service(launch, tmp_path):
+    # A log asked for at level 0 (--autotune_level 1 forgotten) is never written: said so.
+    log = tmp_path / "never.log"
+    run = launch(["--nproc_per_node", "2", "--autotune_log_file", str(log), *SMALL_MLP,
+                  "--steps", "200"])  # fmt: skip
     run.wait_for(r"^(step|done)", timeout=60)
     assert all(b"distune.tuning_service" not in _cmdline(pid) for pid in _family(run))
     assert run.wait(timeout=60) == 0, run.output
     assert "tuning service" not in run.output
+    assert (
+        "distune-run: warning: --autotune_log_file: it takes effect only at --autotune_level 1 "
+        "or 2, and this job is level 0, the default: ignored; add --autotune_level 1 to tune"
+    ) in run.output
+    assert not log.exists()
     # The default 2^25 is clamped to the model's 1.004 MiB of gradients: one bucket of 2^21.
     assert "bucket 2^21 B (2 MiB), flat" in run.output
 

@@ -40,6 +40,7 @@ from distune.launcher.options import (
     local_world_size,
     parse,
     trial_pins,
+    unused_at_level_0,
 )
 from distune.launcher.placement import port_taken
 from distune.launcher.plan import LaunchPlan, plan_launch, plan_trials, restart_caveat
@@ -223,9 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(planned, int):
         return planned
     args, options, plan = planned
-    caveat = restart_caveat(args)
-    if caveat is not None:
-        print(f"distune-run: warning: {caveat}", file=sys.stderr)
+    for caveat in (restart_caveat(args), unused_at_level_0(args, options)):
+        if caveat is not None:
+            print(f"distune-run: warning: {caveat}", file=sys.stderr)
     stop_signals = StopSignals()
     stop_signals.install()
 

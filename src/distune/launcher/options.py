@@ -138,7 +138,9 @@ class Flag:
     :class:`~distune.tuning_service.config.TuningConfig` field's name, whose declaration then
     supplies the help, the default and the range), or None for a launcher-only flag.
     ``level2`` marks a flag that only level 2's trials use: given on the command line at
-    another level, it is refused rather than silently ignored.
+    another level, it is refused rather than silently ignored. ``tuning`` marks one that only
+    a tuning service uses (levels 1 and 2): given at level 0, it is named in a warning
+    (:func:`unused_at_level_0`).
     """
 
     parse: Callable[[Any], Any]
@@ -147,6 +149,7 @@ class Flag:
     kind: FlagKind = "value"
     service: str | None = None
     level2: bool = False
+    tuning: bool = False
 
     def help_text(self) -> str:
         """The flag's help: its own, or the tuning setting's with the service's default."""
@@ -170,9 +173,10 @@ def flag_field(
     service: str | None = None,
     default: Any = None,
     level2: bool = False,
+    tuning: bool = False,
 ) -> Any:
     """An AutotuneOptions field declared as a :class:`Flag`."""
-    declaration = Flag(parse, help, metavar, kind, service, level2)
+    declaration = Flag(parse, help, metavar, kind, service, level2, tuning)
     return field(default=default, metadata={"flag": declaration})
 
 
@@ -255,39 +259,46 @@ class AutotuneOptions:
         "{0,1,2}",
         default=0,
     )
-    autotune_max_samples: int | None = flag_field(_positive_int, metavar="N", service="max_samples")
+    autotune_max_samples: int | None = flag_field(
+        _positive_int, metavar="N", service="max_samples", tuning=True
+    )
     autotune_sampling_confidence_time: float | None = flag_field(
-        positive_seconds, metavar="T", service="sampling_confidence_time"
+        positive_seconds, metavar="T", service="sampling_confidence_time", tuning=True
     )
     autotune_warmup_time: float | None = flag_field(
-        positive_seconds, metavar="W", service="warmup_time"
+        positive_seconds, metavar="W", service="warmup_time", tuning=True
     )
     autotune_close_call_time: float | None = flag_field(
-        _multiple, metavar="K", service="close_call_time"
+        _multiple, metavar="K", service="close_call_time", tuning=True
     )
     autotune_retune_drift: float | None = flag_field(
-        _fraction, metavar="FRACTION", service="retune_drift"
+        _fraction, metavar="FRACTION", service="retune_drift", tuning=True
     )
     is_output_autotune_log: bool = flag_field(
         _bool,
         "write the CSV log to /tmp/distune_autotune_<random>.log",
         kind="switch",
         default=False,
+        tuning=True,
     )
     autotune_log_file: Path | None = flag_field(
-        _output_path, "write the CSV log to PATH (implies the log)", "PATH"
+        _output_path, "write the CSV log to PATH (implies the log)", "PATH", tuning=True
     )
     autotune_service_port: int | None = flag_field(
-        _port, "the service's port (default: a free one; multi-node: rendezvous port + 1)", "P"
+        _port,
+        "the service's port (default: a free one; multi-node: rendezvous port + 1)",
+        "P",
+        tuning=True,
     )
     autotune_service_addr: str | None = flag_field(
-        _url, "where workers reach the service (multi-node: node 0's)", "URL"
+        _url, "where workers reach the service (multi-node: node 0's)", "URL", tuning=True
     )
     autotune_service_bind: str | None = flag_field(
         _listen_address,
         "where the service listens (default: its URL's address, never every interface; "
         "0.0.0.0 or :: only when asked, e.g. behind NAT)",
         "ADDR",
+        tuning=True,
     )
     default_bucket_size: int | None = flag_field(
         _bytes, metavar="BYTES", service="default_bucket_size"
@@ -301,12 +312,14 @@ class AutotuneOptions:
         "write the chosen group and its measured gain as JSON to PATH",
         "PATH",
         service="best_file",
+        tuning=True,
     )
     autotune_quiet: bool = flag_field(
         _bool,
         "no progress lines while tuning (the end-of-run summary is still printed)",
         kind="switch",
         default=False,
+        tuning=True,
     )
     # Level 2 (docs/level2.md); its config keys (DeepSpeed's names) are pins: trial_pins().
     autotune_mode: str | None = flag_field(
@@ -555,6 +568,7 @@ def options_from_args(args: argparse.Namespace) -> AutotuneOptions:
             f"argument --{trials_only[0]}: only level 2 runs trials, and this job is level "
             f"{options.autotune_level}: add --autotune_level 2, or leave it out"
         )
+
     _check_outputs(args, options)
     return options
 
@@ -588,6 +602,22 @@ def _same_file(a: Path, b: Path) -> bool:
         return a.expanduser().resolve() == b.expanduser().resolve() or a.samefile(b)
     except OSError:  # one does not exist (yet), or cannot be looked at
         return False
+
+
+def unused_at_level_0(args: argparse.Namespace, options: AutotuneOptions) -> str | None:
+    """A warning naming the tuning flags typed on a level-0 command line, which start no
+    service: a log or best-file asked for is never written, a sample budget never used (level
+    0 is the default, so ``--autotune_level 1`` is easily forgotten). A warning, not an error:
+    the same command at level 0 is how a tuned run is compared with an untuned one. A config
+    file's settings are not named: one file may serve several levels."""
+    given = [f"--{dest}" for dest, flag in flags() if flag.tuning and getattr(args, dest)]
+    if options.autotune_level != 0 or not given:
+        return None
+    these = "it takes" if len(given) == 1 else "they take"
+    return (
+        f"{', '.join(given)}: {these} effect only at --autotune_level 1 or 2, and this job is "
+        "level 0, the default: ignored; add --autotune_level 1 to tune"
+    )
 
 
 def local_world_size(args: argparse.Namespace) -> int:

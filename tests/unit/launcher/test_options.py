@@ -7,7 +7,12 @@ import torch
 
 from distune.launcher.config_file import load_config
 from distune.launcher.main import main
-from distune.launcher.options import AutotuneOptions, check_training_script, parse
+from distune.launcher.options import (
+    AutotuneOptions,
+    check_training_script,
+    parse,
+    unused_at_level_0,
+)
 
 
 def test_torchrun_flags_pass_through_with_both_spellings():
@@ -358,3 +363,31 @@ def test_the_log_and_best_file_may_not_overwrite_each_other_or_the_jobs_files(
     # The config file may take the next choice: the command then reads it on its next run.
     parse(["--autotune_config", "c.yaml", "--autotune_best_file", "c.yaml", "train.py"])
     parse(["--autotune_log_file", "train.py", "-m", "train"])  # a module: no file of that path
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--autotune_log_file", "x.log"], "--autotune_log_file: it takes"),
+        (["--is_output_autotune_log", "--autotune-max-samples", "10"],
+         "--autotune_max_samples, --is_output_autotune_log: they take"),
+        (["--autotune_best_file", "b.json"], "--autotune_best_file: it takes"),
+        (["--autotune_quiet"], "--autotune_quiet: it takes"),
+        (["--autotune_service_port", "29600"], "--autotune_service_port: it takes"),
+    ],
+)  # fmt: skip
+def test_tuning_flags_at_level_0_are_named_as_ignored(tmp_path, monkeypatch, flags, named):
+    """Level 0 (the default) starts no service: a log or best-file asked for was silently never
+    written, a sample budget never used, when --autotune_level 1 was forgotten."""
+    monkeypatch.chdir(tmp_path)
+    args, options = parse([*flags, "t.py"])
+    assert unused_at_level_0(args, options) == (
+        f"{named} effect only at --autotune_level 1 or 2, and this job is level 0, the "
+        "default: ignored; add --autotune_level 1 to tune"
+    )
+    assert unused_at_level_0(*parse(["--autotune_level", "1", *flags, "t.py"])) is None
+    # Knob pins reach level 0's ranks; a config file may hold other levels' settings.
+    assert unused_at_level_0(*parse(["--bucket_size", "4096", "--default_bucket_size", "8192",
+                                     "--autotune_device_memory", "1GiB", "t.py"])) is None  # fmt: skip
+    (tmp_path / "c.yaml").write_text("autotune_max_samples: 5\n")
+    assert unused_at_level_0(*parse(["--autotune_config", "c.yaml", "t.py"])) is None
