@@ -147,8 +147,8 @@ def test_level_0_starts_no_service(launch, tmp_path):
     assert run.wait(timeout=60) == 0, run.output
     assert "tuning service" not in run.output
     assert (
-        "distune-run: warning: --autotune_log_file: it takes effect only at --autotune_level 1 "
-        "or 2, and this job is level 0, the default: ignored; add --autotune_level 1 to tune"
+        "distune-run: warning: --autotune_log_file: it takes effect only where a job is tuned, "
+        "and this job is level 0, the default: ignored; add --autotune_level 1 to tune"
     ) in run.output
     assert not log.exists()
     # The default 2^25 is clamped to the model's 1.004 MiB of gradients: one bucket of 2^21.

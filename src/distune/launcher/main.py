@@ -40,7 +40,7 @@ from distune.launcher.options import (
     local_world_size,
     parse,
     trial_pins,
-    unused_at_level_0,
+    unused_tuning_flags,
 )
 from distune.launcher.placement import port_taken
 from distune.launcher.plan import LaunchPlan, plan_launch, plan_trials, restart_caveat
@@ -224,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(planned, int):
         return planned
     args, options, plan = planned
-    for caveat in (restart_caveat(args), unused_at_level_0(args, options)):
+    unused = unused_tuning_flags(args, options, tuned=plan.placement is not None)
+    for caveat in (restart_caveat(args), unused):
         if caveat is not None:
             print(f"distune-run: warning: {caveat}", file=sys.stderr)
     stop_signals = StopSignals()

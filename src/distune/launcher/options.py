@@ -139,8 +139,8 @@ class Flag:
     supplies the help, the default and the range), or None for a launcher-only flag.
     ``level2`` marks a flag that only level 2's trials use: given on the command line at
     another level, it is refused rather than silently ignored. ``tuning`` marks one that only
-    a tuning service uses (levels 1 and 2): given at level 0, it is named in a warning
-    (:func:`unused_at_level_0`).
+    a tuning service uses (levels 1 and 2): given where none starts, it is named in a warning
+    (:func:`unused_tuning_flags`).
     """
 
     parse: Callable[[Any], Any]
@@ -604,20 +604,26 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def unused_at_level_0(args: argparse.Namespace, options: AutotuneOptions) -> str | None:
-    """A warning naming the tuning flags typed on a level-0 command line, which start no
-    service: a log or best-file asked for is never written, a sample budget never used (level
-    0 is the default, so ``--autotune_level 1`` is easily forgotten). A warning, not an error:
-    the same command at level 0 is how a tuned run is compared with an untuned one. A config
-    file's settings are not named: one file may serve several levels."""
+def unused_tuning_flags(
+    args: argparse.Namespace, options: AutotuneOptions, tuned: bool
+) -> str | None:
+    """A warning naming the tuning flags typed on the command line of a job that starts no
+    tuning service (``tuned`` False): a log or best-file asked for is never written, a sample
+    budget never used. Level 0 is the default, so ``--autotune_level 1`` is easily forgotten;
+    at level 1 every knob may be pinned. A warning, not an error: the same command at level 0
+    is how a tuned run is compared with an untuned one. A config file's settings are not
+    named: one file may serve several levels."""
     given = [f"--{dest}" for dest, flag in flags() if flag.tuning and getattr(args, dest)]
-    if options.autotune_level != 0 or not given:
+    if tuned or not given:
         return None
     these = "it takes" if len(given) == 1 else "they take"
-    return (
-        f"{', '.join(given)}: {these} effect only at --autotune_level 1 or 2, and this job is "
-        "level 0, the default: ignored; add --autotune_level 1 to tune"
+    why = (
+        "this job is level 0, the default: ignored; add --autotune_level 1 to tune"
+        if options.autotune_level == 0
+        else "every knob of this job is pinned (--bucket_size, and --[no-]hierarchical_reduce "
+        "where there are several nodes), so nothing is tuned and no service starts: ignored"
     )
+    return f"{', '.join(given)}: {these} effect only where a job is tuned, and {why}"
 
 
 def local_world_size(args: argparse.Namespace) -> int:

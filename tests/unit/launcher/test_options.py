@@ -11,8 +11,9 @@ from distune.launcher.options import (
     AutotuneOptions,
     check_training_script,
     parse,
-    unused_at_level_0,
+    unused_tuning_flags,
 )
+from distune.launcher.plan import plan_launch
 
 
 def test_torchrun_flags_pass_through_with_both_spellings():
@@ -380,14 +381,24 @@ def test_tuning_flags_at_level_0_are_named_as_ignored(tmp_path, monkeypatch, fla
     """Level 0 (the default) starts no service: a log or best-file asked for was silently never
     written, a sample budget never used, when --autotune_level 1 was forgotten."""
     monkeypatch.chdir(tmp_path)
-    args, options = parse([*flags, "t.py"])
-    assert unused_at_level_0(args, options) == (
-        f"{named} effect only at --autotune_level 1 or 2, and this job is level 0, the "
-        "default: ignored; add --autotune_level 1 to tune"
+
+    def unused(*argv):
+        args, options = parse([*argv, "t.py"])
+        tuned = plan_launch(args, options).placement is not None
+        return unused_tuning_flags(args, options, tuned)
+
+    assert unused(*flags) == (
+        f"{named} effect only where a job is tuned, and this job is level 0, the default: "
+        "ignored; add --autotune_level 1 to tune"
     )
-    assert unused_at_level_0(*parse(["--autotune_level", "1", *flags, "t.py"])) is None
+    assert unused("--autotune_level", "1", *flags) is None
+    # At level 1 with every knob pinned (one node: the bucket size), nothing is tuned either.
+    assert unused("--autotune_level", "1", "--bucket_size", "4096", *flags).endswith(
+        "every knob of this job is pinned (--bucket_size, and --[no-]hierarchical_reduce where "
+        "there are several nodes), so nothing is tuned and no service starts: ignored"
+    )
     # Knob pins reach level 0's ranks; a config file may hold other levels' settings.
-    assert unused_at_level_0(*parse(["--bucket_size", "4096", "--default_bucket_size", "8192",
-                                     "--autotune_device_memory", "1GiB", "t.py"])) is None  # fmt: skip
+    assert unused("--bucket_size", "4096", "--default_bucket_size", "8192") is None
+    assert unused("--autotune_device_memory", "1GiB") is None
     (tmp_path / "c.yaml").write_text("autotune_max_samples: 5\n")
-    assert unused_at_level_0(*parse(["--autotune_config", "c.yaml", "t.py"])) is None
+    assert unused("--autotune_config", "c.yaml") is None
