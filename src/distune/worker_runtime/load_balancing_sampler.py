@@ -85,7 +85,7 @@ class LoadBalancingDistributedSampler(Sampler[int]):
         self.drop_last = drop_last
         self.random_level = random_level
         self.epoch = 0
-        costs = []
+        costs: list[float] = []
         for i in range(len(dataset)):
             cost = complexity_fn(dataset[i])  # type: ignore[index]
             if isinstance(cost, torch.Tensor):
