@@ -111,9 +111,16 @@ def test_a_script_failing_before_wrapping_is_not_said_to_wrap_no_model(launch, t
     assert run.wait(timeout=60) == 5
     assert (
         "distune: no model registered with the tuning service: nothing was tuned (the job "
-        "failed with exit code 5 before any model registered; its error is above)"
+        "ended with exit code 5 before any model registered; see above why)"
     ) in run.output
     assert "wrapped no model" not in run.output
+    # Stopped before the script wrapped anything: not said to have wrapped none either.
+    script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(60)\n")
+    run = launch(["--nproc_per_node", "1", "--autotune_level", "1", str(script)])
+    run.wait_for("^ready", timeout=60)
+    run.process.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=60) == 128 + signal.SIGTERM
+    assert f"the job ended with exit code {128 + signal.SIGTERM} before any model" in run.output
 
 
 def test_service_outlives_a_worker_restart(launch):

@@ -176,8 +176,8 @@ def _stop_service(
     options: AutotuneOptions,
     exit_code: int | None,
 ) -> None:
-    """Stop the service and print the end-of-run summary (``exit_code``: the job's, None when
-    it did not end on its own)."""
+    """Stop the service and print the end-of-run summary (``exit_code``: the launcher's, None
+    when it stopped on an error of its own, already reported)."""
     if monitor is not None:
         monitor.stop()
     status = service.status()
@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except SignalException as error:
         print(f"distune-run: stopping on {error.sigval.name}", file=sys.stderr)
-        return 128 + error.sigval
+        exit_code = 128 + error.sigval
+        return exit_code
     finally:
         stop_signals.cleanup_started()
         if service is not None:

@@ -568,7 +568,6 @@ def options_from_args(args: argparse.Namespace) -> AutotuneOptions:
             f"argument --{trials_only[0]}: only level 2 runs trials, and this job is level "
             f"{options.autotune_level}: add --autotune_level 2, or leave it out"
         )
-
     _check_outputs(args, options)
     return options
 

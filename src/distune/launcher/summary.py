@@ -26,8 +26,8 @@ def format_summary(
 
     With ``service_gone``, the service died during the job (which the launcher has reported
     already) and ``status`` is the last one it answered, if any. ``exit_code`` is the job's
-    (None: unknown, e.g. stopped by a signal): a job that failed before any model registered
-    is not said to have wrapped none.
+    (None: unknown): a job that failed, or was stopped, before any model registered is not
+    said to have wrapped none.
     """
     lines = []
     if status is None and not service_gone:
@@ -70,7 +70,7 @@ def format_summary(
     if status is not None and not lines and exit_code:
         lines.append(
             f"distune: no model registered with the tuning service: nothing was tuned (the job "
-            f"failed with exit code {exit_code} before any model registered; its error is above)"
+            f"ended with exit code {exit_code} before any model registered; see above why)"
         )
     elif status is not None and not lines:
         lines.append(

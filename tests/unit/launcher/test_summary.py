@@ -129,7 +129,7 @@ def test_a_job_that_failed_before_any_model_registered_is_not_said_to_wrap_none(
     (line,) = format_summary({"models": {}}, None, None, exit_code=3)
     assert line == (
         "distune: no model registered with the tuning service: nothing was tuned (the job "
-        "failed with exit code 3 before any model registered; its error is above)"
+        "ended with exit code 3 before any model registered; see above why)"
     )
     (line,) = format_summary({"models": {}}, None, None, exit_code=0)
     assert "wrapped no model" in line
