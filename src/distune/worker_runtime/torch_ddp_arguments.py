@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -272,7 +273,8 @@ def _pinned_bytes(bucket_cap_mb: float | None, bucket_size: int | None) -> int |
     top = BUCKET_SIZE_2P_LIMITS[1]
     if (
         isinstance(bucket_cap_mb, bool)
-        or not isinstance(bucket_cap_mb, int | float)
+        # numbers.Real: NumPy's scalars too (a value read from an array), as torch takes them.
+        or not isinstance(bucket_cap_mb, numbers.Real)
         or not math.isfinite(bucket_cap_mb)
         or not 0 <= bucket_cap_mb * MIB <= 1 << top
     ):

@@ -94,6 +94,13 @@ def test_bucket_cap_mb_pins_the_bucket_size(world):
     assert model.hyperparameters == Hyperparameters(12, False)
 
 
+def test_bucket_cap_mb_may_be_a_numpy_number_as_in_torch(world):
+    import numpy as np
+
+    model = distune.DistributedDataParallel(mlp(), bucket_cap_mb=np.float32(1 / 256))
+    assert model.hyperparameters == Hyperparameters(12, False)
+
+
 def test_bucket_cap_mb_zero_is_torchs_bucket_per_parameter(world):
     """torch takes 0 (it closes a bucket after every parameter); it was refused here."""
     model = distune.DistributedDataParallel(mlp(), bucket_cap_mb=0)
