@@ -15,7 +15,7 @@ import yaml
 from distune.errors import ConfigError
 
 
-class _DuplicateKeyError(yaml.YAMLError):
+class _DuplicateKeyError(ConfigError):
     """A mapping gives one key twice; the message names it and both lines."""
 
 
