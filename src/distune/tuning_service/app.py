@@ -20,7 +20,7 @@ import logging
 from typing import Any
 
 from flask import Flask, Response, current_app, jsonify, request
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from distune.tuning_service import api, dashboard
 from distune.tuning_service.messages import RequestError
@@ -109,6 +109,11 @@ def _trial_conflict(error: TrialConflictError) -> tuple[Response, int]:
     return _error(409, str(error))
 
 
+def _too_large(error: RequestEntityTooLarge) -> tuple[Response, int]:
+    # werkzeug's text names no limit: say what is allowed.
+    return _error(413, f"body: over {MAX_BODY_BYTES} bytes (1 MiB), the most a request may carry")
+
+
 def _http_error(error: HTTPException) -> Response:
     # Keep werkzeug's status and headers (e.g. Allow on a 405), but speak JSON.
     response = error.get_response()
@@ -130,6 +135,7 @@ _ERROR_HANDLERS: tuple[tuple[type[Exception], Any], ...] = (
     (RegistrationError, _conflict),
     (UnknownTrialError, _unknown_trial),
     (TrialConflictError, _trial_conflict),
+    (RequestEntityTooLarge, _too_large),
     (HTTPException, _http_error),
     (Exception, _internal_error),
 )
