@@ -20,7 +20,7 @@ import logging
 from typing import Any
 
 from flask import Flask, Response, current_app, jsonify, request
-from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound, RequestEntityTooLarge
 
 from distune.tuning_service import api, dashboard
 from distune.tuning_service.messages import RequestError
@@ -115,9 +115,18 @@ def _too_large(error: RequestEntityTooLarge) -> tuple[Response, int]:
 
 
 def _http_error(error: HTTPException) -> Response:
-    # Keep werkzeug's status and headers (e.g. Allow on a 405), but speak JSON.
+    # Keep werkzeug's status and headers (e.g. Allow on a 405), but speak JSON, saying what is
+    # allowed where werkzeug's own words do not.
     response = error.get_response()
-    response.data = json.dumps({"error": f"{error.name}: {error.description}"}).encode()
+    message = f"{error.name}: {error.description}"
+    if isinstance(error, MethodNotAllowed) and error.valid_methods:
+        allowed = ", ".join(m for m in sorted(error.valid_methods) if m not in ("HEAD", "OPTIONS"))
+        message = f"{error.name}: {request.method} {request.path}; it takes {allowed}"
+    elif isinstance(error, NotFound) and error.description == NotFound.description:
+        message = (
+            f"{error.name}: no route {request.path}; the routes are in GET /api/v1/openapi.json"
+        )
+    response.data = json.dumps({"error": message}).encode()
     response.content_type = "application/json"
     return response  # type: ignore[return-value]  # werkzeug's Response, which Flask serves
 

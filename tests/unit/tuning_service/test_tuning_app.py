@@ -264,10 +264,17 @@ def test_wrong_method_and_unknown_route_are_json(client):
     response = client.get("/api/v1/models/m/report")
     assert response.status_code == 405
     assert "POST" in response.headers["Allow"]
-    assert "error" in response.get_json()
+    # werkzeug's words named neither the method allowed nor where the routes are.
+    assert response.get_json() == {
+        "error": "Method Not Allowed: GET /api/v1/models/m/report; it takes POST"
+    }
     response = client.get("/api/v2/status")
     assert response.status_code == 404
-    assert "error" in response.get_json()
+    assert response.get_json() == {
+        "error": "Not Found: no route /api/v2/status; the routes are in GET /api/v1/openapi.json"
+    }
+    response = client.get("/dashboard/nothing.js")  # a 404 with words of its own keeps them
+    assert "the dashboard has no file 'nothing.js'" in response.get_json()["error"]
 
 
 def test_a_doubled_slash_is_a_json_404_not_a_redirect(client):
