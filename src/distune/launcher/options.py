@@ -482,6 +482,8 @@ def build_parser() -> LauncherArgumentParser:
 
 def _config_file_values(path: str) -> dict[str, Any]:
     """The settings of an ``--autotune_config`` file, each parsed by its flag's declaration."""
+    if not path.strip():  # Path("") is ".", which the message would name instead
+        raise OptionError(f"--autotune_config: must be a file path, got {path!r}")
     try:
         config = load_config(Path(path))
     except ConfigError as error:

@@ -105,6 +105,8 @@ def test_hierarchical_off(spelling):
         (["--autotune_log_file", "/no/such/dir/x.log"], "directory '/no/such/dir' does not exist"),
         (["--autotune_best_file", "/no/such/b.json"], "directory '/no/such' does not exist"),
         (["--autotune_config", "/no/such/c.yml"], "--autotune_config: cannot read '/no/such/c.yml'"),
+        # It said "cannot read '.': Is a directory" (Path("") is ".").
+        (["--autotune-config="], "--autotune_config: must be a file path, got ''"),
         (["--autotune_service_bind", "node0:80"], "must be an address to listen on, like 0.0.0.0"),
         (["--autotune_service_bind", "a b"], "must be an address to listen on"),
         (["--autotune_service_bind", ""], "must be an address to listen on"),
