@@ -15,6 +15,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from distune.cli import path_argument
 from distune.wording import counted, describe_hyperparameters, format_gain, format_rate
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "machine): per model, the best group, its gain over the default group, the samples "
         "taken and the training time they measured.",
     )
-    parser.add_argument("log", metavar="LOG", help="the CSV tuning log")
+    parser.add_argument("log", metavar="LOG", type=path_argument, help="the CSV tuning log")
     parser.add_argument("--samples", action="store_true", help="also list every sample")
     parser.set_defaults(run=run)
 

@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from distune.cli import CommandError
+from distune.cli import CommandError, path_argument
 from distune.cli.chosen_marker import mark_chosen
 from distune.wording import RATE_UNIT, counted, describe_hyperparameters, format_gain, format_rate
 
@@ -52,6 +52,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "log",
         metavar="LOG",
+        type=path_argument,
         help="the CSV tuning log, or a level-2 results directory or its trials.jsonl",
     )
     parser.add_argument(

@@ -423,3 +423,14 @@ def test_log_gains_say_when_the_default_had_its_first_sample_only(tmp_path, caps
         "m: gains vs the default group's 40 it/s (its first sample, the job's first after "
         "warmup: it was not measured again)"
     ) in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["log", "plot"])
+def test_an_empty_log_argument_is_named_not_read_as_the_current_directory(command, capsys):
+    """`distune log "$LOG"` with LOG unset said ". is a directory, not a tuning log"."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, ""])
+    assert exit_info.value.code == 2
+    assert f"distune {command}: error: argument LOG: must be a path, got ''" in (
+        capsys.readouterr().err
+    )
