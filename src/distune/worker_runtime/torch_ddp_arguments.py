@@ -252,6 +252,12 @@ def _process_group(process_group: Any, device_mesh: Any) -> dist.ProcessGroup:
         group: dist.ProcessGroup = device_mesh.get_group(mesh_dim=0)
         return group
     if process_group is not None:
+        if process_group is dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError(
+                "this rank is not in process_group: new_group(ranks) returns a placeholder on "
+                "the ranks it leaves out. Wrap the model only on the group's ranks, or pass a "
+                "group this rank belongs to (new_subgroups() gives every rank its own)"
+            )
         if not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
                 f"process_group must be a torch.distributed.ProcessGroup, got {process_group!r}"

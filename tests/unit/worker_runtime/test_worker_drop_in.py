@@ -120,6 +120,12 @@ def test_bucket_cap_mb_zero_is_torchs_bucket_per_parameter(world):
         ({"device_ids": ["cuda:0"]}, ValueError, "device_ids=None for a CPU module"),
         ({"find_unused_parameters": "yes"}, TypeError, "find_unused_parameters must be True"),
         ({"dim": 1.5}, TypeError, "dim must be an int"),
+        # What new_group([0]) returns on rank 1: it said "must be a ProcessGroup, got -100".
+        (
+            {"process_group": dist.GroupMember.NON_GROUP_MEMBER},
+            ValueError,
+            "this rank is not in process_group: new_group",
+        ),
     ],
 )
 def test_torch_arguments_that_cannot_apply_say_why(world, kwargs, error, message):
