@@ -119,6 +119,9 @@ def _output_path(value: Any) -> Path:
         raise InvalidValue(f"{str(path)!r} is a symlink, which is refused")
     if path.is_dir():
         raise InvalidValue(f"{str(path)!r} is a directory, not a file")
+    if path.exists() and not path.is_file():
+        # /dev/null, a FIFO: the service refuses them as it starts, with its own usage text.
+        raise InvalidValue(f"{str(path)!r} is not a regular file")
     return path
 
 

@@ -104,6 +104,8 @@ def test_hierarchical_off(spelling):
         (["--autotune_service_addr", "http://node0"], "must be a URL like http://HOST:PORT"),
         (["--autotune_log_file", "/no/such/dir/x.log"], "directory '/no/such/dir' does not exist"),
         (["--autotune_best_file", "/no/such/b.json"], "directory '/no/such' does not exist"),
+        # The service refused it as it started: exit 1 under its own 13-line usage text.
+        (["--autotune_log_file", "/dev/null"], "--autotune-log-file: '/dev/null' is not a regular file"),
         (["--autotune_config", "/no/such/c.yml"], "--autotune_config: cannot read '/no/such/c.yml'"),
         # It said "cannot read '.': Is a directory" (Path("") is ".").
         (["--autotune-config="], "--autotune_config: must be a file path, got ''"),
