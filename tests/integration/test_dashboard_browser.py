@@ -230,6 +230,21 @@ def test_the_dashboard_follows_a_tuning_run(service, browser, tmp_path):
     assert browser.find_element(By.ID, "token-form").is_displayed() is False
 
 
+def test_a_base64_token_pasted_into_the_address_is_taken_as_it_is(browser):
+    """A query decodes "+" as a space: `?token=` with an `openssl rand -base64` token was
+    refused ("The service refused this token.") though it was the right one."""
+    token = "k+Wq/9z+8A=="
+    started = ServiceProcess("--max-samples", "2", token=token)
+    try:
+        browser.get(f"{started.url}/?token={token}")
+        wait = WebDriverWait(browser, 20)
+        wait.until(ec.text_to_be_present_in_element((By.ID, "connection"), "updated"))
+        assert browser.find_element(By.ID, "token-form").is_displayed() is False
+        assert "token" not in browser.current_url
+    finally:
+        assert started.stop() == 0
+
+
 def test_the_dashboard_files_are_served_without_the_token_and_the_data_is_not(service):
     page = requests.get(service.url + "/", timeout=10)
     assert page.status_code == 200 and page.headers["Content-Type"].startswith("text/html")

@@ -26,8 +26,11 @@ class TokenNeeded extends Error {}
 function takeTokenFromAddress() {
   const url = new URL(window.location.href);
   const fromHash = new URLSearchParams(url.hash.slice(1)).get("token");
-  const token = fromHash ?? url.searchParams.get("token");
-  if (token === null) return;
+  const given = fromHash ?? url.searchParams.get("token");
+  if (given === null) return;
+  // A query decodes "+" as a space, and a token has no spaces: a base64 token (openssl rand
+  // -base64) pasted into the address as it is keeps its "+".
+  const token = given.replaceAll(" ", "+");
   sessionStorage.setItem(TOKEN_KEY, token);
   url.searchParams.delete("token");
   url.hash = "";
