@@ -71,7 +71,10 @@ def summary(runs: list[ModelRun]) -> pd.DataFrame:
 def _state(run: ModelRun) -> str:
     if run.source == "bagua":
         return "Bagua log (no choice recorded)"
-    return "completed" if run.choice is not None else "not completed"
+    if run.choice is None:
+        return "not completed"
+    # A drift reopened the session (distune status: sampling): the choice is the last made.
+    return "reopened, re-tuning" if run.reopened else "completed"
 
 
 def samples(run: ModelRun) -> pd.DataFrame:

@@ -79,6 +79,16 @@ class ModelRun:
         return float(last["score"]) / base if base > 0 else math.nan
 
     @property
+    def reopened(self) -> bool:
+        """Whether samples were logged after the choice: the session reopened
+        (``--autotune_retune_drift``: the throughput drifted below the choice's) and samples
+        again, as ``distune status`` says (``sampling``, ``retunes``). The choice stays the
+        last one made."""
+        return self.choice is not None and bool(
+            (self.samples["sample"] > self.choice["sample"]).any()
+        )
+
+    @property
     def default_remeasured(self) -> bool:
         """Whether the default group was sampled more than once (its first sample then no
         longer counts in :attr:`default_score`)."""

@@ -120,6 +120,8 @@ def _draw_model(axes: Axes, run: ModelRun) -> None:
         gain = format_gain(choice["gain_vs_default"])
         mark_chosen(axes, choice["train_iter"], choice["score"], f"chosen: {chosen}")
         title += f", chose {chosen}: {format_rate(choice['score'])}, {gain} vs default"
+        if run.reopened:  # a drift reopened it: the samples after the star are a new round
+            title += "; reopened, re-tuning"
     elif run.source == "bagua":
         title += " (Bagua log: first row as the default, no choice recorded)"
     else:

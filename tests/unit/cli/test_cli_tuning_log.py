@@ -434,3 +434,37 @@ def test_an_empty_log_argument_is_named_not_read_as_the_current_directory(comman
     assert f"distune {command}: error: argument LOG: must be a path, got ''" in (
         capsys.readouterr().err
     )
+
+
+def test_a_session_reopened_by_a_drift_is_not_shown_as_completed(tmp_path, capsys):
+    """After a drift reopened a completed session, distune status said `sampling` while
+    distune log still said `completed`: the samples after the choice are a new round."""
+    path = tmp_path / "autotune.log"
+    log = TuningLog.create(path)
+    config = TuningConfig(
+        max_samples=4, sampling_confidence_time=1.0, min_windows=2, warmup_time=0.0, seed=0,
+        retune_drift=0.2, retune_drift_time=2.0, retune_samples=3,
+    )  # fmt: skip
+    service = TuningService(config, log)
+    reply, train_iter, drifted = service.register("m", Registration.from_json(FACTS)), 0, False
+    while not (drifted and service.status()["models"]["m"]["samples"] >= 6):
+        drifted = drifted or reply.completed
+        rate = 66.0 if reply.group.hyperparameters.bucket_size_2p == 19 else 60.0
+        iterations = round(rate * (0.5 if drifted else 1.0) * 0.5)  # another phase: slower
+        train_iter += iterations
+        try:
+            reply = service.report("m", Report(reply.group.id, train_iter, iterations, 0.5))
+        except StaleGroupError as error:
+            reply = error.reply
+    log.close()
+    status = service.status()["models"]["m"]
+    assert status["retunes"] == 1 and status["state"] == "sampling"
+    (run,) = read_log(path)
+    assert run.choice is not None and run.reopened
+    assert main(["log", str(path)]) == 0
+    assert capsys.readouterr().out.splitlines()[2].split()[:4] == [
+        "m",
+        "reopened,",
+        "re-tuning",
+        "6",
+    ]
