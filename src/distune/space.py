@@ -57,7 +57,7 @@ def _check_bool(name: str, value: Any) -> bool:
 
 
 def _human_bytes(size: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if size >= 1 << shift:
             return f"{size / (1 << shift):g} {unit}"
     return f"{size} B"
@@ -79,8 +79,11 @@ def bucket_size_2p_for(bucket_size: int) -> int:
         )
     top = BUCKET_SIZE_2P_LIMITS[1]
     if bucket_size > 1 << top:
-        # The same bound as the launcher's --bucket_size and a registration's fixed exponent.
-        raise HyperparameterError(f"bucket size must be at most 2**{top} bytes, got {bucket_size}")
+        # The same bound, in the same words, as the launcher's --bucket_size.
+        raise HyperparameterError(
+            f"bucket size must be at most 2**{top} bytes ({_human_bytes(1 << top)}), "
+            f"got {bucket_size}"
+        )
     return round(math.log2(bucket_size))
 
 

@@ -11,6 +11,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import overload
+from urllib.parse import urlsplit
 
 from distune.checks import InvalidValue, positive_seconds
 from distune.errors import DistuneError
@@ -74,6 +75,12 @@ class WorkerSettings:
             positive_seconds(self.sync_interval)
         except InvalidValue as error:
             raise SettingsError(f"{SYNC_INTERVAL} {error}") from None
+        if self.service_url is not None and not _is_http_url(self.service_url):
+            # Refused here, at the wrapper's construction: the leader's requests would fail
+            # as an outage, retried with back-off for the whole job, and nothing tuned.
+            raise SettingsError(
+                f"{SERVICE_URL} must be a URL like http://HOST:PORT, got {self.service_url!r}"
+            )
 
     @property
     def tuning(self) -> bool:
@@ -113,6 +120,15 @@ class WorkerSettings:
             ),
             sync_interval=_parse_float(environ, SYNC_INTERVAL, defaults.sync_interval),
         )
+
+
+def _is_http_url(text: str) -> bool:
+    try:
+        parts = urlsplit(text)
+        _ = parts.port  # raises for a port that is not a number
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
 @overload

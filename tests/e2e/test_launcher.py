@@ -102,6 +102,27 @@ def test_failing_worker_fails_the_launch_and_stops_the_service(launch):
     assert port_is_free(urlsplit(url).port)
 
 
+def test_a_script_failing_before_wrapping_is_not_said_to_wrap_no_model(launch, tmp_path):
+    """The summary said the script wrapped no model in distune's wrapper, when it had failed
+    before getting there (a bad path, an import error)."""
+    script = tmp_path / "fails_early.py"
+    script.write_text("import sys\nsys.exit(5)\n")
+    run = launch(["--nproc_per_node", "1", "--autotune_level", "1", str(script)])
+    assert run.wait(timeout=60) == 5
+    assert (
+        "distune: no model registered with the tuning service: nothing was tuned (the job "
+        "ended with exit code 5 before any model registered; see above why)"
+    ) in run.output
+    assert "wrapped no model" not in run.output
+    # Stopped before the script wrapped anything: not said to have wrapped none either.
+    script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(60)\n")
+    run = launch(["--nproc_per_node", "1", "--autotune_level", "1", str(script)])
+    run.wait_for("^ready", timeout=60)
+    run.process.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=60) == 128 + signal.SIGTERM
+    assert f"the job ended with exit code {128 + signal.SIGTERM} before any model" in run.output
+
+
 def test_service_outlives_a_worker_restart(launch):
     # torch 2.13 restarts gloo workers reliably only with c10d rendezvous and a store of the
     # workers' own: torchrun's static default keeps one store for every attempt and hands a
@@ -123,12 +144,20 @@ def test_service_outlives_a_worker_restart(launch):
     assert run.leftovers() == []
 
 
-def test_level_0_starts_no_service(launch):
-    run = launch(["--nproc_per_node", "2", *SMALL_MLP, "--steps", "200"])
+def test_level_0_starts_no_service(launch, tmp_path):
+    # A log asked for at level 0 (--autotune_level 1 forgotten) is never written: said so.
+    log = tmp_path / "never.log"
+    run = launch(["--nproc_per_node", "2", "--autotune_log_file", str(log), *SMALL_MLP,
+                  "--steps", "200"])  # fmt: skip
     run.wait_for(r"^(step|done)", timeout=60)
     assert all(b"distune.tuning_service" not in _cmdline(pid) for pid in _family(run))
     assert run.wait(timeout=60) == 0, run.output
     assert "tuning service" not in run.output
+    assert (
+        "distune-run: warning: --autotune_log_file: it takes effect only where a job is tuned, "
+        "and this job is level 0, the default: ignored; add --autotune_level 1 to tune"
+    ) in run.output
+    assert not log.exists()
     # The default 2^25 is clamped to the model's 1.004 MiB of gradients: one bucket of 2^21.
     assert "bucket 2^21 B (2 MiB), flat" in run.output
 

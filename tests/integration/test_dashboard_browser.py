@@ -136,6 +136,16 @@ def browser(tmp_path):
         driver.quit()
 
 
+def point_titles(browser, chart):
+    """Each sample point's tooltip, by sample number."""
+    return {
+        point.get_attribute("data-sample"): point.find_element(By.TAG_NAME, "title").get_attribute(
+            "textContent"
+        )
+        for point in browser.find_elements(By.CSS_SELECTOR, f"{chart} circle.sample")
+    }
+
+
 def png_size(data):
     assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
     return struct.unpack(">II", data[16:24])
@@ -164,6 +174,11 @@ def test_the_dashboard_follows_a_tuning_run(service, browser, tmp_path):
     assert browser.find_element(By.CSS_SELECTOR, f"{card} .state").text == "sampling"
     samples = browser.find_element(By.CSS_SELECTOR, f"{card} dd.samples").text
     assert samples.endswith(f"/ {MAX_SAMPLES}") and int(samples.split()[0]) >= status["samples"]
+    # The default has had one sample: a point's gain says it compares with that sample alone,
+    # as the launcher's progress lines do (it said "vs default").
+    titles = point_titles(browser, chart)
+    assert "(the default group)" in titles["1"]
+    assert " vs the default's first sample) at iteration " in titles["2"]
 
     # Tuning completes: one point per sample, the choice starred and named.
     status = job.run_until(lambda s: s["state"] == "completed")
@@ -174,6 +189,12 @@ def test_the_dashboard_follows_a_tuning_run(service, browser, tmp_path):
     hp = status["best"]["group"]["hyperparameters"]
     best = browser.find_element(By.CSS_SELECTOR, f"{card} dd.best").text
     assert best.startswith(f"bucket 2^{hp['bucket_size_2p']} B") and "vs default" in best
+    # Each point's gain divides by the level drawn, the default's score as the service judges
+    # it (the log's gains each divide by the default's score when the row was logged).
+    for sample, title in point_titles(browser, chart).items():
+        if sample != "1":
+            score = float(title.split(" -> ")[1].split(" it/s")[0])
+            assert f"({score / status['default_score'] - 1:+.1%} vs " in title, title
     chart_text = browser.find_element(By.CSS_SELECTOR, chart).text
     assert "training iteration" in chart_text and "throughput (it/s)" in chart_text
 
@@ -207,6 +228,21 @@ def test_the_dashboard_follows_a_tuning_run(service, browser, tmp_path):
     wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, f"{chart} circle.sample")))
     assert "token" not in browser.current_url
     assert browser.find_element(By.ID, "token-form").is_displayed() is False
+
+
+def test_a_base64_token_pasted_into_the_address_is_taken_as_it_is(browser):
+    """A query decodes "+" as a space: `?token=` with an `openssl rand -base64` token was
+    refused ("The service refused this token.") though it was the right one."""
+    token = "k+Wq/9z+8A=="
+    started = ServiceProcess("--max-samples", "2", token=token)
+    try:
+        browser.get(f"{started.url}/?token={token}")
+        wait = WebDriverWait(browser, 20)
+        wait.until(ec.text_to_be_present_in_element((By.ID, "connection"), "updated"))
+        assert browser.find_element(By.ID, "token-form").is_displayed() is False
+        assert "token" not in browser.current_url
+    finally:
+        assert started.stop() == 0
 
 
 def test_the_dashboard_files_are_served_without_the_token_and_the_data_is_not(service):

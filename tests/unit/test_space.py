@@ -88,7 +88,9 @@ def test_bucket_size_in_bytes_must_be_positive_whole(nbytes):
 
 def test_bucket_size_in_bytes_is_at_most_2_48_as_at_every_entry_point():
     assert bucket_size_2p_for(2**48) == 48
-    with pytest.raises(HyperparameterError, match=r"at most 2\*\*48 bytes, got 281474976710657"):
+    with pytest.raises(
+        HyperparameterError, match=r"at most 2\*\*48 bytes \(256 TiB\), got 281474976710657"
+    ):
         bucket_size_2p_for(2**48 + 1)  # rounded to 2**48 before: the launcher refuses it
 
 
@@ -202,6 +204,7 @@ def test_importing_space_and_package_does_not_import_torch():
         (Hyperparameters(22, False), "bucket 2^22 B (4 MiB), flat"),
         (Hyperparameters(16, True), "bucket 2^16 B (64 KiB), hierarchical"),
         (Hyperparameters(31, False), "bucket 2^31 B (2 GiB), flat"),
+        (Hyperparameters(48, False), "bucket 2^48 B (256 TiB), flat"),
         (Hyperparameters(3, False), "bucket 2^3 B (8 B), flat"),
     ],
 )

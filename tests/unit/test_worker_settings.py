@@ -42,6 +42,13 @@ def test_level_one_without_service_does_not_tune():
         ({"DISTUNE_HIERARCHICAL_REDUCE": "maybe"}, "DISTUNE_HIERARCHICAL_REDUCE must be 1 or 0"),
         ({"DISTUNE_SYNC_INTERVAL": "nan"}, "DISTUNE_SYNC_INTERVAL must be a positive number"),
         ({"DISTUNE_SYNC_INTERVAL": "-1"}, "DISTUNE_SYNC_INTERVAL must be a positive number"),
+        # Accepted before: the leader retried an unusable URL as an outage for the whole job.
+        (
+            {"DISTUNE_SERVICE_URL": "localhost:29600"},
+            "DISTUNE_SERVICE_URL must be a URL like http://HOST:PORT, got 'localhost:29600'",
+        ),
+        ({"DISTUNE_SERVICE_URL": "http://h:port"}, "DISTUNE_SERVICE_URL must be a URL like"),
+        ({"DISTUNE_SERVICE_URL": "ftp://h:21"}, "DISTUNE_SERVICE_URL must be a URL like"),
     ],
 )
 def test_bad_values_name_the_variable(env, message):

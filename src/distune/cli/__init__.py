@@ -8,9 +8,19 @@ matplotlib loads only for ``plot``. The launcher stays ``distune-run``.
 
 from __future__ import annotations
 
+import argparse
+
 from distune.errors import DistuneError
 
 
 class CommandError(DistuneError):
     """A failure the user must fix (no service, a bad log file); ``distune`` prints its message
     on one line and exits with status 1, without a traceback."""
+
+
+def path_argument(text: str) -> str:
+    """An argparse type for a file or directory argument: not empty (``Path("")`` is ``.``,
+    which the error would then name, a path never typed: a variable left empty)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must be a path, got {text!r}")
+    return text

@@ -3,7 +3,10 @@
 For each model: whether tuning completed, how many groups were sampled, the best group (the
 chosen one once completed) with its score and gain over the default group, the default group's
 score, the seconds of training the samples measured, and the training iteration at which the
-choice was made. ``--samples`` adds each model's samples, one row each.
+choice was made. ``--samples`` adds each model's samples, one row each. Every gain shown
+divides by one score, the default group's as the tuner judged it last (the log's own
+``gain_vs_default`` of a row divided by the default's score as it stood when that row was
+logged, often its first sample alone), and the line above the samples says which.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from distune.cli import path_argument
 from distune.wording import counted, describe_hyperparameters, format_gain, format_rate
 
 if TYPE_CHECKING:
@@ -29,7 +33,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "machine): per model, the best group, its gain over the default group, the samples "
         "taken and the training time they measured.",
     )
-    parser.add_argument("log", metavar="LOG", help="the CSV tuning log")
+    parser.add_argument("log", metavar="LOG", type=path_argument, help="the CSV tuning log")
     parser.add_argument("--samples", action="store_true", help="also list every sample")
     parser.set_defaults(run=run)
 
@@ -51,7 +55,7 @@ def summary(runs: list[ModelRun]) -> pd.DataFrame:
                     best["bucket_size_2p"], best["is_hierarchical_reduce"]
                 ),
                 "score": format_rate(best["score"]),
-                "gain vs default": format_gain(best["gain_vs_default"]),
+                "gain vs default": format_gain(run.gain_of(best["score"])),
                 "default score": format_rate(run.default_score),
                 "measured": (
                     "-" if run.measured_seconds is None else f"{run.measured_seconds:.1f} s"
@@ -67,7 +71,10 @@ def summary(runs: list[ModelRun]) -> pd.DataFrame:
 def _state(run: ModelRun) -> str:
     if run.source == "bagua":
         return "Bagua log (no choice recorded)"
-    return "completed" if run.choice is not None else "not completed"
+    if run.choice is None:
+        return "not completed"
+    # A drift reopened the session (distune status: sampling): the choice is the last made.
+    return "reopened, re-tuning" if run.reopened else "completed"
 
 
 def samples(run: ModelRun) -> pd.DataFrame:
@@ -79,7 +86,7 @@ def samples(run: ModelRun) -> pd.DataFrame:
             for p, h in zip(frame["bucket_size_2p"], frame["is_hierarchical_reduce"], strict=True)
         ],
         score=frame["score"].map(format_rate),
-        gain=frame["gain_vs_default"].map(format_gain),
+        gain=frame["score"].map(lambda score: format_gain(run.gain_of(score))),
         best=run.running_best.map(format_rate),
         seconds=frame["seconds"].map(lambda s: "-" if s != s else f"{s:.2f}"),  # NaN: Bagua
     )[["sample", "phase", "group", "score", "gain", "best", "train_iter", "seconds"]].rename(
@@ -116,6 +123,17 @@ def run(args: argparse.Namespace) -> int:
     print(to_text(summary(runs)), file=out)
     if args.samples:
         for model_run in runs:
-            print(f"\n{model_run.name}:", file=out)
+            print(f"\n{model_run.name}: {gain_base(model_run)}", file=out)
             print(to_text(samples(model_run)), file=out)
     return 0
+
+
+def gain_base(run: ModelRun) -> str:
+    """What every gain of ``run``'s samples divides by, in words: the default group's score
+    as judged last, and whether that is its first sample alone."""
+    basis = (
+        "its samples after the first"
+        if run.default_remeasured
+        else "its first sample, the job's first after warmup: it was not measured again"
+    )
+    return f"gains vs the default group's {format_rate(run.default_score)} ({basis})"

@@ -16,6 +16,7 @@ started on) standing for the default group; Bagua records neither seconds nor a 
 from __future__ import annotations
 
 import io
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,12 +69,40 @@ class ModelRun:
 
     @property
     def default_score(self) -> float:
-        """The default group's score: its sample's, else implied by any sample's gain."""
-        default = self.samples[self.samples["phase"] == DEFAULT]
-        if len(default):
-            return float(default["score"].iloc[0])
-        first = self.samples.iloc[0]
-        return float(first["score"] / (1.0 + first["gain_vs_default"]))
+        """The default group's score as the tuner judged it last, which the choice's gain
+        divides by and ``distune status`` shows: its first sample alone until it was measured
+        again, then its later samples only (that first sample, the job's first after warmup,
+        is often slow). Implied by the last row's score and gain, each row's gain having
+        divided by the default's score as it stood then."""
+        last = self.choice if self.choice is not None else self.samples.iloc[-1]
+        base = 1.0 + float(last["gain_vs_default"])
+        return float(last["score"]) / base if base > 0 else math.nan
+
+    @property
+    def reopened(self) -> bool:
+        """Whether samples were logged after the choice: the session reopened
+        (``--autotune_retune_drift``: the throughput drifted below the choice's) and samples
+        again, as ``distune status`` says (``sampling``, ``retunes``). The choice stays the
+        last one made."""
+        return self.choice is not None and bool(
+            (self.samples["sample"] > self.choice["sample"]).any()
+        )
+
+    @property
+    def default_remeasured(self) -> bool:
+        """Whether the default group was sampled more than once (its first sample then no
+        longer counts in :attr:`default_score`)."""
+        first = self.samples.iloc[0]  # the default group's sample, which a session takes first
+        same = (self.samples["bucket_size_2p"] == first["bucket_size_2p"]) & (
+            self.samples["is_hierarchical_reduce"] == first["is_hierarchical_reduce"]
+        )
+        return bool(same.sum() > 1)
+
+    def gain_of(self, score: float) -> float:
+        """``score``'s gain over :attr:`default_score`: the one base for every row shown,
+        rather than each row's own (the default's score when that row was logged)."""
+        # Rounded: a score equal to the default's is +0.0%, not the -0.0% of a rounding error.
+        return round(score / self.default_score - 1.0, 12) + 0.0
 
     @property
     def running_best(self) -> pd.Series:

@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from distune.cli import CommandError
+from distune.cli import CommandError, path_argument
 from distune.cli.chosen_marker import mark_chosen
 from distune.wording import RATE_UNIT, counted, describe_hyperparameters, format_gain, format_rate
 
@@ -52,6 +52,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "log",
         metavar="LOG",
+        type=path_argument,
         help="the CSV tuning log, or a level-2 results directory or its trials.jsonl",
     )
     parser.add_argument(
@@ -119,6 +120,8 @@ def _draw_model(axes: Axes, run: ModelRun) -> None:
         gain = format_gain(choice["gain_vs_default"])
         mark_chosen(axes, choice["train_iter"], choice["score"], f"chosen: {chosen}")
         title += f", chose {chosen}: {format_rate(choice['score'])}, {gain} vs default"
+        if run.reopened:  # a drift reopened it: the samples after the star are a new round
+            title += "; reopened, re-tuning"
     elif run.source == "bagua":
         title += " (Bagua log: first row as the default, no choice recorded)"
     else:

@@ -96,8 +96,11 @@ def format_table(status: dict[str, Any]) -> str:
     for name, model in sorted(models.items()):
         # A model registered again with other facts (wrapped again after unfreezing, restarted
         # on other nodes) was tuned afresh: one row per registration, oldest first, named as
-        # `distune log` names them; nothing runs an earlier one's group now.
-        sessions = [*(model.get("earlier") or []), model]
+        # `distune log` names them; nothing runs an earlier one's group now. An earlier one
+        # replaced before its first sample wrote no log row, so the log cannot count it: it is
+        # left out here too, or the two would number the later ones differently.
+        earlier = [e for e in model.get("earlier") or [] if e.get("samples") != 0]
+        sessions = [*earlier, model]
         for number, session in enumerate(sessions, 1):
             label = (
                 name if len(sessions) == 1 else f"{name} (registration {number} of {len(sessions)})"

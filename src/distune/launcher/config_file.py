@@ -15,6 +15,33 @@ import yaml
 from distune.errors import ConfigError
 
 
+class _DuplicateKeyError(ConfigError):
+    """A mapping gives one key twice; the message names it and both lines."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping: PyYAML (and Python's
+    json) keep the last silently, so a setting edited in at the end of a file would quietly
+    override one above it, or be overridden by one below."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *defaults`: keys given beside it override the merged ones
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = lines.get(key)
+            except TypeError:  # an unhashable key: the base constructor refuses it
+                continue
+            if first is not None:
+                where = f"lines {first} and {line}" if first != line else f"both on line {line}"
+                raise _DuplicateKeyError(f"key {key!r} is given twice ({where}): keep one")
+            lines[key] = line
+        return super().construct_mapping(node, deep)
+
+
 def load_config(path: Path) -> dict[str, Any]:
     """The settings in ``path``; an empty file holds none."""
     try:
@@ -24,7 +51,9 @@ def load_config(path: Path) -> dict[str, Any]:
             f"cannot read {str(path)!r}: {getattr(error, 'strerror', None) or error}"
         ) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a safe loader: SafeLoader's rules
+    except _DuplicateKeyError as error:
+        raise ConfigError(f"{str(path)!r}: {error}") from None
     except yaml.YAMLError as error:
         where = getattr(error, "problem_mark", None)
         line = f" (line {where.line + 1})" if where is not None else ""

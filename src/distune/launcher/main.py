@@ -40,6 +40,7 @@ from distune.launcher.options import (
     local_world_size,
     parse,
     trial_pins,
+    unused_tuning_flags,
 )
 from distune.launcher.placement import port_taken
 from distune.launcher.plan import LaunchPlan, plan_launch, plan_trials, restart_caveat
@@ -170,9 +171,13 @@ def _check_resume(
 
 
 def _stop_service(
-    service: TuningServiceProcess, monitor: ProgressMonitor | None, options: AutotuneOptions
+    service: TuningServiceProcess,
+    monitor: ProgressMonitor | None,
+    options: AutotuneOptions,
+    exit_code: int | None,
 ) -> None:
-    """Stop the service and print the end-of-run summary."""
+    """Stop the service and print the end-of-run summary (``exit_code``: the launcher's, None
+    when it stopped on an error of its own, already reported)."""
     if monitor is not None:
         monitor.stop()
     status = service.status()
@@ -187,7 +192,10 @@ def _stop_service(
         # has reported its results already, and "no model registered" would only mislead.
         return
     best_file = str(options.autotune_best_file) if options.autotune_best_file else None
-    for line in format_summary(status, service.log_file, best_file, service_gone=gone):
+    lines = format_summary(
+        status, service.log_file, best_file, service_gone=gone, exit_code=exit_code
+    )
+    for line in lines:
         print(line, flush=True)
 
 
@@ -216,14 +224,16 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(planned, int):
         return planned
     args, options, plan = planned
-    caveat = restart_caveat(args)
-    if caveat is not None:
-        print(f"distune-run: warning: {caveat}", file=sys.stderr)
+    unused = unused_tuning_flags(args, options, tuned=plan.placement is not None)
+    for caveat in (restart_caveat(args), unused):
+        if caveat is not None:
+            print(f"distune-run: warning: {caveat}", file=sys.stderr)
     stop_signals = StopSignals()
     stop_signals.install()
 
     service: TuningServiceProcess | None = None
     monitor: ProgressMonitor | None = None
+    exit_code: int | None = None
 
     def emergency_stop() -> None:
         if service is not None:
@@ -239,14 +249,16 @@ def main(argv: list[str] | None = None) -> int:
             monitor.start()
         # Threads start only now: the service's start-up (preexec_fn) needs a thread-free fork.
         stop_signals.watch(emergency_stop, helpers=() if service is None else (service.pid,))
-        return _trials_then_workers(argv, args, options, plan)
+        exit_code = _trials_then_workers(argv, args, options, plan)
+        return exit_code
     except ServiceStartError as error:
         print(f"distune-run: error: tuning service: {error}{_port_hint(plan)}", file=sys.stderr)
         return 1
     except SignalException as error:
         print(f"distune-run: stopping on {error.sigval.name}", file=sys.stderr)
-        return 128 + error.sigval
+        exit_code = 128 + error.sigval
+        return exit_code
     finally:
         stop_signals.cleanup_started()
         if service is not None:
-            _stop_service(service, monitor, options)
+            _stop_service(service, monitor, options, exit_code)

@@ -119,6 +119,9 @@ def _output_path(value: Any) -> Path:
         raise InvalidValue(f"{str(path)!r} is a symlink, which is refused")
     if path.is_dir():
         raise InvalidValue(f"{str(path)!r} is a directory, not a file")
+    if path.exists() and not path.is_file():
+        # /dev/null, a FIFO: the service refuses them as it starts, with its own usage text.
+        raise InvalidValue(f"{str(path)!r} is not a regular file")
     return path
 
 
@@ -138,7 +141,9 @@ class Flag:
     :class:`~distune.tuning_service.config.TuningConfig` field's name, whose declaration then
     supplies the help, the default and the range), or None for a launcher-only flag.
     ``level2`` marks a flag that only level 2's trials use: given on the command line at
-    another level, it is refused rather than silently ignored.
+    another level, it is refused rather than silently ignored. ``tuning`` marks one that only
+    a tuning service uses (levels 1 and 2): given where none starts, it is named in a warning
+    (:func:`unused_tuning_flags`).
     """
 
     parse: Callable[[Any], Any]
@@ -147,6 +152,7 @@ class Flag:
     kind: FlagKind = "value"
     service: str | None = None
     level2: bool = False
+    tuning: bool = False
 
     def help_text(self) -> str:
         """The flag's help: its own, or the tuning setting's with the service's default."""
@@ -170,9 +176,10 @@ def flag_field(
     service: str | None = None,
     default: Any = None,
     level2: bool = False,
+    tuning: bool = False,
 ) -> Any:
     """An AutotuneOptions field declared as a :class:`Flag`."""
-    declaration = Flag(parse, help, metavar, kind, service, level2)
+    declaration = Flag(parse, help, metavar, kind, service, level2, tuning)
     return field(default=default, metadata={"flag": declaration})
 
 
@@ -255,39 +262,46 @@ class AutotuneOptions:
         "{0,1,2}",
         default=0,
     )
-    autotune_max_samples: int | None = flag_field(_positive_int, metavar="N", service="max_samples")
+    autotune_max_samples: int | None = flag_field(
+        _positive_int, metavar="N", service="max_samples", tuning=True
+    )
     autotune_sampling_confidence_time: float | None = flag_field(
-        positive_seconds, metavar="T", service="sampling_confidence_time"
+        positive_seconds, metavar="T", service="sampling_confidence_time", tuning=True
     )
     autotune_warmup_time: float | None = flag_field(
-        positive_seconds, metavar="W", service="warmup_time"
+        positive_seconds, metavar="W", service="warmup_time", tuning=True
     )
     autotune_close_call_time: float | None = flag_field(
-        _multiple, metavar="K", service="close_call_time"
+        _multiple, metavar="K", service="close_call_time", tuning=True
     )
     autotune_retune_drift: float | None = flag_field(
-        _fraction, metavar="FRACTION", service="retune_drift"
+        _fraction, metavar="FRACTION", service="retune_drift", tuning=True
     )
     is_output_autotune_log: bool = flag_field(
         _bool,
         "write the CSV log to /tmp/distune_autotune_<random>.log",
         kind="switch",
         default=False,
+        tuning=True,
     )
     autotune_log_file: Path | None = flag_field(
-        _output_path, "write the CSV log to PATH (implies the log)", "PATH"
+        _output_path, "write the CSV log to PATH (implies the log)", "PATH", tuning=True
     )
     autotune_service_port: int | None = flag_field(
-        _port, "the service's port (default: a free one; multi-node: rendezvous port + 1)", "P"
+        _port,
+        "the service's port (default: a free one; multi-node: rendezvous port + 1)",
+        "P",
+        tuning=True,
     )
     autotune_service_addr: str | None = flag_field(
-        _url, "where workers reach the service (multi-node: node 0's)", "URL"
+        _url, "where workers reach the service (multi-node: node 0's)", "URL", tuning=True
     )
     autotune_service_bind: str | None = flag_field(
         _listen_address,
         "where the service listens (default: its URL's address, never every interface; "
         "0.0.0.0 or :: only when asked, e.g. behind NAT)",
         "ADDR",
+        tuning=True,
     )
     default_bucket_size: int | None = flag_field(
         _bytes, metavar="BYTES", service="default_bucket_size"
@@ -301,12 +315,14 @@ class AutotuneOptions:
         "write the chosen group and its measured gain as JSON to PATH",
         "PATH",
         service="best_file",
+        tuning=True,
     )
     autotune_quiet: bool = flag_field(
         _bool,
         "no progress lines while tuning (the end-of-run summary is still printed)",
         kind="switch",
         default=False,
+        tuning=True,
     )
     # Level 2 (docs/level2.md); its config keys (DeepSpeed's names) are pins: trial_pins().
     autotune_mode: str | None = flag_field(
@@ -469,6 +485,8 @@ def build_parser() -> LauncherArgumentParser:
 
 def _config_file_values(path: str) -> dict[str, Any]:
     """The settings of an ``--autotune_config`` file, each parsed by its flag's declaration."""
+    if not path.strip():  # Path("") is ".", which the message would name instead
+        raise OptionError(f"--autotune_config: must be a file path, got {path!r}")
     try:
         config = load_config(Path(path))
     except ConfigError as error:
@@ -555,7 +573,61 @@ def options_from_args(args: argparse.Namespace) -> AutotuneOptions:
             f"argument --{trials_only[0]}: only level 2 runs trials, and this job is level "
             f"{options.autotune_level}: add --autotune_level 2, or leave it out"
         )
+    _check_outputs(args, options)
     return options
+
+
+def _check_outputs(args: argparse.Namespace, options: AutotuneOptions) -> None:
+    """The log and the best-file are files of their own: the log is truncated as the service
+    starts (a training script would be emptied before any rank reads it), and the best-file
+    replaces its path when a model completes (the log would become JSON, rows gone). The
+    best-file may be the config file read now: the next run of that command reads the newer
+    choice."""
+    inputs = [("the config file (--autotune_config)", args.autotune_config)]
+    if not (args.module or args.no_python):
+        inputs.append(("the training script", args.training_script))
+    log, best = options.autotune_log_file, options.autotune_best_file
+    truncates = "which the log would empty as the service starts"
+    replaces = "which the best-file would replace when a model completes"
+    clashes = [("--autotune_log_file", log, "--autotune_best_file", best, replaces)]
+    clashes += [("--autotune_log_file", log, what, path, truncates) for what, path in inputs]
+    clashes += [("--autotune_best_file", best, what, path, replaces) for what, path in inputs[1:]]
+    for flag, output, what, other, why in clashes:
+        if output is not None and other is not None and _same_file(output, Path(other)):
+            raise OptionError(
+                f"argument {flag}: {str(output)!r} is also {what}, {why}; give {flag} a file "
+                "of its own"
+            )
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one file (through links too), existing or not."""
+    try:
+        return a.expanduser().resolve() == b.expanduser().resolve() or a.samefile(b)
+    except OSError:  # one does not exist (yet), or cannot be looked at
+        return False
+
+
+def unused_tuning_flags(
+    args: argparse.Namespace, options: AutotuneOptions, tuned: bool
+) -> str | None:
+    """A warning naming the tuning flags typed on the command line of a job that starts no
+    tuning service (``tuned`` False): a log or best-file asked for is never written, a sample
+    budget never used. Level 0 is the default, so ``--autotune_level 1`` is easily forgotten;
+    at level 1 every knob may be pinned. A warning, not an error: the same command at level 0
+    is how a tuned run is compared with an untuned one. A config file's settings are not
+    named: one file may serve several levels."""
+    given = [f"--{dest}" for dest, flag in flags() if flag.tuning and getattr(args, dest)]
+    if tuned or not given:
+        return None
+    these = "it takes" if len(given) == 1 else "they take"
+    why = (
+        "this job is level 0, the default: ignored; add --autotune_level 1 to tune"
+        if options.autotune_level == 0
+        else "every knob of this job is pinned (--bucket_size, and --[no-]hierarchical_reduce "
+        "where there are several nodes), so nothing is tuned and no service starts: ignored"
+    )
+    return f"{', '.join(given)}: {these} effect only where a job is tuned, and {why}"
 
 
 def local_world_size(args: argparse.Namespace) -> int:

@@ -19,12 +19,15 @@ def format_summary(
     best_file: str | None,
     *,
     service_gone: bool = False,
+    exit_code: int | None = None,
 ) -> list[str]:
     """Lines describing, per model, the chosen group, its score against the default's and the
     gain, how many groups were sampled, and where the log and best-file are.
 
     With ``service_gone``, the service died during the job (which the launcher has reported
-    already) and ``status`` is the last one it answered, if any.
+    already) and ``status`` is the last one it answered, if any. ``exit_code`` is the job's
+    (None: unknown): a job that failed, or was stopped, before any model registered is not
+    said to have wrapped none.
     """
     lines = []
     if status is None and not service_gone:
@@ -64,7 +67,12 @@ def format_summary(
         )
         if model.get("verdict"):
             lines.append(f"  {model['verdict']}")
-    if status is not None and not lines:
+    if status is not None and not lines and exit_code:
+        lines.append(
+            f"distune: no model registered with the tuning service: nothing was tuned (the job "
+            f"ended with exit code {exit_code} before any model registered; see above why)"
+        )
+    elif status is not None and not lines:
         lines.append(
             "distune: no model registered with the tuning service: nothing was tuned (the "
             "script wrapped no model in distune.DistributedDataParallel, or only under an "

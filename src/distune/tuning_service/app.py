@@ -20,7 +20,7 @@ import logging
 from typing import Any
 
 from flask import Flask, Response, current_app, jsonify, request
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound, RequestEntityTooLarge
 
 from distune.tuning_service import api, dashboard
 from distune.tuning_service.messages import RequestError
@@ -40,7 +40,7 @@ MAX_BODY_BYTES = 1024 * 1024
 #: Routes that answer without the bearer token: health, and the dashboard's page and files
 #: (code, no data; the page sends the token with each API call it makes).
 PUBLIC_ENDPOINTS = api.PUBLIC_ENDPOINTS | dashboard.ENDPOINTS
-#: The config key of the expected ``Authorization`` header's bytes (None: no token).
+#: The config key of the expected bearer token's bytes (None: no token).
 _BEARER = "DISTUNE_BEARER"
 
 
@@ -51,7 +51,7 @@ def create_app(service: TuningService, token: str | None = None) -> Flask:
     # A doubled slash (a model named "m/") is a 404, not an HTML redirect to another model's URL.
     app.url_map.merge_slashes = False
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
-    app.config[_BEARER] = None if token is None else f"Bearer {token}".encode()
+    app.config[_BEARER] = None if token is None else token.encode()
     app.json.sort_keys = False  # type: ignore[attr-defined]  # keep the documented field order
     app.extensions[api.EXTENSION] = service
     app.before_request(_authenticate)
@@ -70,8 +70,11 @@ def _authenticate() -> tuple[Response, int] | None:
     expected = current_app.config[_BEARER]
     if expected is None or request.endpoint in PUBLIC_ENDPOINTS:
         return None
-    given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-    if hmac.compare_digest(given, expected):
+    # The scheme is case-insensitive and followed by one or more spaces (RFC 7235 2.1, RFC
+    # 6750 2.1): `bearer <token>`, as some clients and proxies send it, is the same header.
+    scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
+    given = credentials.lstrip(" ").encode("utf-8", "surrogateescape")
+    if scheme.lower() == "bearer" and hmac.compare_digest(given, expected):
         return None
     response, status = _error(401, "a valid 'Authorization: Bearer <token>' header is needed")
     response.headers["WWW-Authenticate"] = 'Bearer realm="distune"'
@@ -106,10 +109,24 @@ def _trial_conflict(error: TrialConflictError) -> tuple[Response, int]:
     return _error(409, str(error))
 
 
+def _too_large(error: RequestEntityTooLarge) -> tuple[Response, int]:
+    # werkzeug's text names no limit: say what is allowed.
+    return _error(413, f"body: over {MAX_BODY_BYTES} bytes (1 MiB), the most a request may carry")
+
+
 def _http_error(error: HTTPException) -> Response:
-    # Keep werkzeug's status and headers (e.g. Allow on a 405), but speak JSON.
+    # Keep werkzeug's status and headers (e.g. Allow on a 405), but speak JSON, saying what is
+    # allowed where werkzeug's own words do not.
     response = error.get_response()
-    response.data = json.dumps({"error": f"{error.name}: {error.description}"}).encode()
+    message = f"{error.name}: {error.description}"
+    if isinstance(error, MethodNotAllowed) and error.valid_methods:
+        allowed = ", ".join(m for m in sorted(error.valid_methods) if m not in ("HEAD", "OPTIONS"))
+        message = f"{error.name}: {request.method} {request.path}; it takes {allowed}"
+    elif isinstance(error, NotFound) and error.description == NotFound.description:
+        message = (
+            f"{error.name}: no route {request.path}; the routes are in GET /api/v1/openapi.json"
+        )
+    response.data = json.dumps({"error": message}).encode()
     response.content_type = "application/json"
     return response  # type: ignore[return-value]  # werkzeug's Response, which Flask serves
 
@@ -127,6 +144,7 @@ _ERROR_HANDLERS: tuple[tuple[type[Exception], Any], ...] = (
     (RegistrationError, _conflict),
     (UnknownTrialError, _unknown_trial),
     (TrialConflictError, _trial_conflict),
+    (RequestEntityTooLarge, _too_large),
     (HTTPException, _http_error),
     (Exception, _internal_error),
 )

@@ -21,6 +21,7 @@ positions on one rank are unrelated samples of unrelated cost, not sorted ones.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
@@ -84,12 +85,13 @@ class LoadBalancingDistributedSampler(Sampler[int]):
         self.drop_last = drop_last
         self.random_level = random_level
         self.epoch = 0
-        costs = []
+        costs: list[float] = []
         for i in range(len(dataset)):
             cost = complexity_fn(dataset[i])  # type: ignore[index]
             if isinstance(cost, torch.Tensor):
                 cost = cost.item()
-            if not isinstance(cost, (int, float)) or not math.isfinite(cost):
+            # numbers.Real: NumPy's scalars too (an array's .sum() is np.int64, not an int).
+            if not isinstance(cost, numbers.Real) or not math.isfinite(cost):
                 raise SamplerError(
                     f"complexity_fn must return a finite number; for sample {i} it returned "
                     f"{cost!r}"

@@ -19,6 +19,7 @@ it does in torch's DDP or needs no work here, for the reason beside it:
 * ``process_group``, ``device_mesh`` (a 1-D mesh: its group): the ranks gradients are averaged
   over.
 * ``bucket_cap_mb``: pins the bucket size (MiB, rounded to a power of two of bytes); not tuned.
+  0 is torch's one bucket per parameter (1-byte buckets here).
 * ``find_unused_parameters``, ``skip_all_reduce_unused_params``: unused parameters are always
   handled, at no cost when all are used; the averages are torch's either way.
 * ``gradient_as_bucket_view``, ``batched_grad_copy``: gradients are always views of the buckets,
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distune.errors import DistuneError
+from distune.space import BUCKET_SIZE_2P_LIMITS
 
 #: Bytes in one of ``bucket_cap_mb``'s megabytes (torch counts MiB).
 MIB = 2**20
@@ -249,6 +252,12 @@ def _process_group(process_group: Any, device_mesh: Any) -> dist.ProcessGroup:
         group: dist.ProcessGroup = device_mesh.get_group(mesh_dim=0)
         return group
     if process_group is not None:
+        if process_group is dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError(
+                "this rank is not in process_group: new_group(ranks) returns a placeholder on "
+                "the ranks it leaves out. Wrap the model only on the group's ranks, or pass a "
+                "group this rank belongs to (new_subgroups() gives every rank its own)"
+            )
         if not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
                 f"process_group must be a torch.distributed.ProcessGroup, got {process_group!r}"
@@ -267,13 +276,19 @@ def _pinned_bytes(bucket_cap_mb: float | None, bucket_size: int | None) -> int |
         raise ValueError(
             "give bucket_size (bytes, distune's) or bucket_cap_mb (MiB, torch's), not both"
         )
+    top = BUCKET_SIZE_2P_LIMITS[1]
     if (
         isinstance(bucket_cap_mb, bool)
-        or not isinstance(bucket_cap_mb, int | float)
+        # numbers.Real: NumPy's scalars too (a value read from an array), as torch takes them.
+        or not isinstance(bucket_cap_mb, numbers.Real)
         or not math.isfinite(bucket_cap_mb)
-        or bucket_cap_mb <= 0
+        or not 0 <= bucket_cap_mb * MIB <= 1 << top
     ):
-        raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
+        raise ValueError(
+            f"bucket_cap_mb must be a number of MiB from 0 (one bucket per parameter) to "
+            f"2**{top - 20} (256 TiB, the largest bucket), got {bucket_cap_mb!r}"
+        )
+    # torch's bucket_cap_mb=0 closes a bucket after every parameter: distune's 1-byte buckets.
     return max(1, round(bucket_cap_mb * MIB))
 
 

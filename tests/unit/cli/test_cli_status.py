@@ -342,3 +342,32 @@ def test_a_model_registered_again_shows_each_registration():
     first, second = (line.split() for line in lines[1:])
     assert first[5:7] == ["completed", "3/3"] and "-" in first  # nothing runs it now
     assert second[5:7] == ["sampling", "0/3"] and "2^24" in lines[2]
+
+
+def test_registrations_are_numbered_as_distune_log_numbers_them(tmp_path, capsys):
+    """A registration replaced before its first sample writes no log row: the log numbered the
+    later one `registration 2 of 2` where the status table said `3 of 3`."""
+    from distune.cli.log_reader import read_log
+    from distune.tuning_service.tuning_log import TuningLog
+
+    log = TuningLog.create(tmp_path / "autotune.log")
+    service = TuningService(TuningConfig(max_samples=3, sampling_confidence_time=1.0,
+                                         min_windows=2, warmup_time=0.0, seed=1), log)  # fmt: skip
+    for gradient_bytes, windows in ((2**20, 500), (2**22, 0), (2**24, 8)):
+        reply = service.register(
+            "m", Registration.from_json({**FACTS, "gradient_bytes": gradient_bytes})
+        )
+        for train_iter in range(1, windows + 1):
+            try:
+                reply = service.report("m", Report(reply.group.id, train_iter, 50, 0.5))
+            except StaleGroupError as error:
+                reply = error.reply
+            if reply.completed:
+                break
+    log.close()
+    status = service.status()
+    assert [e["samples"] for e in status["models"]["m"]["earlier"]] == [3, 0]
+    assert status["models"]["m"]["samples"] >= 1
+    labels = [line.split("  ")[0] for line in format_table(status).splitlines()[1:]]
+    assert labels == [run.name for run in read_log(tmp_path / "autotune.log")]
+    assert labels == ["m (registration 1 of 2)", "m (registration 2 of 2)"]

@@ -132,7 +132,8 @@ def test_distune_log_samples_lists_every_sample_with_the_running_best(recorded, 
     path, status = recorded
     assert main(["log", str(path), "--samples"]) == 0
     out = capsys.readouterr().out
-    section = out.split("\ngpt:\n")[1].split("\n\n")[0].splitlines()
+    section = out.split("\ngpt: gains vs the default group's")[1].split("\n\n")[0]
+    section = section.splitlines()[1:]
     assert section[0].split()[:4] == ["sample", "phase", "group", "score"]
     assert len(section) == 1 + status["gpt"]["samples"]
     assert section[1].split()[:2] == ["1", "default"]
@@ -368,3 +369,102 @@ def test_a_choice_logged_after_the_next_registration_began_stays_with_its_own(tm
         == (status["earlier"][0]["best"]["group"]["hyperparameters"]["bucket_size_2p"])
     )
     assert unfrozen.choice is None and list(unfrozen.samples["sample"]) == [1]
+
+
+def _slow_first_default(path, stop_after=None):
+    """A run whose default group's first sample reads 40 it/s (slowed by warmup) and 60 it/s
+    when measured again; 2^19 to 2^21 run at 66. ``stop_after``: reports before the job ends."""
+    log = TuningLog.create(path)
+    config = TuningConfig(
+        max_samples=8, sampling_confidence_time=1.0, min_windows=2, warmup_time=1.0, seed=0
+    )
+    service = TuningService(config, log)
+    reply, train_iter, reports = service.register("m", Registration.from_json(FACTS)), 0, 0
+    default = reply.group.hyperparameters
+    while not reply.completed and reports != stop_after:
+        hp = reply.group.hyperparameters
+        rate = 60.0 + 6.0 * math.exp(-(((hp.bucket_size_2p - 20) / 2.5) ** 2))
+        iterations = round((40.0 if hp == default and train_iter < 200 else rate) * 0.5)
+        train_iter, reports = train_iter + iterations, reports + 1
+        try:
+            reply = service.report("m", Report(reply.group.id, train_iter, iterations, 0.5))
+        except StaleGroupError as error:
+            reply = error.reply
+    log.close()
+    return service.status()["models"]["m"]
+
+
+def test_log_gains_and_default_score_are_the_ones_status_judges_by(tmp_path, capsys):
+    """The default's first sample (40 it/s) was the log's default score and every row's gain
+    came from the log as written, each over the default's score when the row was logged: the
+    summary read `66 it/s, +10.0%, default score 40 it/s` and sample 2 `+65.0%`, where the
+    service judged the default at 60 it/s. Every gain now divides by that one score."""
+    path = tmp_path / "autotune.log"
+    status = _slow_first_default(path)
+    assert status["default_score"] == pytest.approx(60.0), "the scripted run's premise"
+    (run,) = read_log(path)
+    assert run.default_score == pytest.approx(status["default_score"])
+    assert main(["log", str(path), "--samples"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "66 it/s +10.0%" in lines[2] and "60 it/s" in lines[2]
+    assert lines[4] == "m: gains vs the default group's 60 it/s (its samples after the first)"
+    gains = {line.split()[0]: line.split()[10] for line in lines[6:]}
+    assert gains["1"] == "-33.3%" and gains["2"] == "+10.0%"
+    assert gains["8"] == "+0.0%"  # the default measured again, not a rounding's -0.0%
+
+
+def test_log_gains_say_when_the_default_had_its_first_sample_only(tmp_path, capsys):
+    path = tmp_path / "autotune.log"
+    status = _slow_first_default(path, stop_after=8)
+    (run,) = read_log(path)
+    assert run.default_score == pytest.approx(status["default_score"]) == pytest.approx(40.0)
+    assert main(["log", str(path), "--samples"]) == 0
+    assert (
+        "m: gains vs the default group's 40 it/s (its first sample, the job's first after "
+        "warmup: it was not measured again)"
+    ) in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["log", "plot"])
+def test_an_empty_log_argument_is_named_not_read_as_the_current_directory(command, capsys):
+    """`distune log "$LOG"` with LOG unset said ". is a directory, not a tuning log"."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, ""])
+    assert exit_info.value.code == 2
+    assert f"distune {command}: error: argument LOG: must be a path, got ''" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_session_reopened_by_a_drift_is_not_shown_as_completed(tmp_path, capsys):
+    """After a drift reopened a completed session, distune status said `sampling` while
+    distune log still said `completed`: the samples after the choice are a new round."""
+    path = tmp_path / "autotune.log"
+    log = TuningLog.create(path)
+    config = TuningConfig(
+        max_samples=4, sampling_confidence_time=1.0, min_windows=2, warmup_time=0.0, seed=0,
+        retune_drift=0.2, retune_drift_time=2.0, retune_samples=3,
+    )  # fmt: skip
+    service = TuningService(config, log)
+    reply, train_iter, drifted = service.register("m", Registration.from_json(FACTS)), 0, False
+    while not (drifted and service.status()["models"]["m"]["samples"] >= 6):
+        drifted = drifted or reply.completed
+        rate = 66.0 if reply.group.hyperparameters.bucket_size_2p == 19 else 60.0
+        iterations = round(rate * (0.5 if drifted else 1.0) * 0.5)  # another phase: slower
+        train_iter += iterations
+        try:
+            reply = service.report("m", Report(reply.group.id, train_iter, iterations, 0.5))
+        except StaleGroupError as error:
+            reply = error.reply
+    log.close()
+    status = service.status()["models"]["m"]
+    assert status["retunes"] == 1 and status["state"] == "sampling"
+    (run,) = read_log(path)
+    assert run.choice is not None and run.reopened
+    assert main(["log", str(path)]) == 0
+    assert capsys.readouterr().out.splitlines()[2].split()[:4] == [
+        "m",
+        "reopened,",
+        "re-tuning",
+        "6",
+    ]

@@ -5,8 +5,15 @@ import json
 import pytest
 import torch
 
+from distune.launcher.config_file import load_config
 from distune.launcher.main import main
-from distune.launcher.options import AutotuneOptions, check_training_script, parse
+from distune.launcher.options import (
+    AutotuneOptions,
+    check_training_script,
+    parse,
+    unused_tuning_flags,
+)
+from distune.launcher.plan import plan_launch
 
 
 def test_torchrun_flags_pass_through_with_both_spellings():
@@ -97,7 +104,11 @@ def test_hierarchical_off(spelling):
         (["--autotune_service_addr", "http://node0"], "must be a URL like http://HOST:PORT"),
         (["--autotune_log_file", "/no/such/dir/x.log"], "directory '/no/such/dir' does not exist"),
         (["--autotune_best_file", "/no/such/b.json"], "directory '/no/such' does not exist"),
+        # The service refused it as it started: exit 1 under its own 13-line usage text.
+        (["--autotune_log_file", "/dev/null"], "--autotune-log-file: '/dev/null' is not a regular file"),
         (["--autotune_config", "/no/such/c.yml"], "--autotune_config: cannot read '/no/such/c.yml'"),
+        # It said "cannot read '.': Is a directory" (Path("") is ".").
+        (["--autotune-config="], "--autotune_config: must be a file path, got ''"),
         (["--autotune_service_bind", "node0:80"], "must be an address to listen on, like 0.0.0.0"),
         (["--autotune_service_bind", "a b"], "must be an address to listen on"),
         (["--autotune_service_bind", ""], "must be an address to listen on"),
@@ -198,6 +209,13 @@ def test_best_file_is_a_config_file(tmp_path):
         ("hierarchical_reduce: 1\n", "hierarchical_reduce must be true or false, got 1"),
         ("[1, 2]\n", "must hold a mapping of setting names to values"),
         ("a: [unclosed\n", "is not valid YAML or JSON"),
+        # A key given twice: YAML and JSON parsers keep the last, silently (level 2 ran).
+        (
+            "autotune_level: 1\nautotune_max_samples: 5\nautotune_level: 2\n",
+            "c.yaml': key 'autotune_level' is given twice (lines 1 and 3): keep one",
+        ),
+        ('{"bucket_size": 4096, "bucket_size": 8192}', "is given twice (both on line 1)"),
+        ("zero_optimization:\n  stage: 1\n  stage: 3\n", "key 'stage' is given twice"),
     ],
 )
 def test_bad_config_files_exit_2_naming_the_key(tmp_path, text, message, capsys):
@@ -209,6 +227,12 @@ def test_bad_config_files_exit_2_naming_the_key(tmp_path, text, message, capsys)
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert message in err
+
+
+def test_a_yaml_merge_key_may_be_overridden_beside_it(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("zero_optimization:\n  <<: {stage: 1}\n  stage: 0\n")
+    assert load_config(path) == {"zero_optimization": {"stage": 0}}
 
 
 def test_a_config_file_may_hold_level_2_settings_for_a_run_at_another_level(tmp_path):
@@ -306,3 +330,79 @@ def test_scripts_modules_and_commands_that_are_there_pass_the_check(tmp_path, mo
         ["--no-python", "true"],
     ):
         check_training_script(parse(launch)[0])
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--autotune_log_file", "out", "--autotune_best_file", "./out"],
+            "--autotune_log_file: 'out' is also --autotune_best_file, which the best-file would "
+            "replace when a model completes; give --autotune_log_file a file of its own",
+        ),
+        (
+            ["--autotune_log_file", "train.py"],
+            "'train.py' is also the training script, which the log would empty as the service "
+            "starts",
+        ),
+        (["--autotune_best_file", "hard.py"], "'hard.py' is also the training script"),
+        (
+            ["--autotune_config", "c.yaml", "--autotune_log_file", "c.yaml"],
+            "'c.yaml' is also the config file (--autotune_config), which the log would empty",
+        ),
+    ],
+)
+def test_the_log_and_best_file_may_not_overwrite_each_other_or_the_jobs_files(
+    tmp_path, monkeypatch, flags, message, capsys
+):
+    """Each was accepted: the log truncated the training script before any rank read it, and
+    the best-file replaced the log (same path) when the model completed."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('training')\n")
+    (tmp_path / "hard.py").hardlink_to("train.py")
+    (tmp_path / "c.yaml").write_text("autotune_level: 1\n")
+    with pytest.raises(SystemExit) as exit_info:
+        parse([*flags, "train.py"])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    # The config file may take the next choice: the command then reads it on its next run.
+    parse(["--autotune_config", "c.yaml", "--autotune_best_file", "c.yaml", "train.py"])
+    parse(["--autotune_log_file", "train.py", "-m", "train"])  # a module: no file of that path
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--autotune_log_file", "x.log"], "--autotune_log_file: it takes"),
+        (["--is_output_autotune_log", "--autotune-max-samples", "10"],
+         "--autotune_max_samples, --is_output_autotune_log: they take"),
+        (["--autotune_best_file", "b.json"], "--autotune_best_file: it takes"),
+        (["--autotune_quiet"], "--autotune_quiet: it takes"),
+        (["--autotune_service_port", "29600"], "--autotune_service_port: it takes"),
+    ],
+)  # fmt: skip
+def test_tuning_flags_at_level_0_are_named_as_ignored(tmp_path, monkeypatch, flags, named):
+    """Level 0 (the default) starts no service: a log or best-file asked for was silently never
+    written, a sample budget never used, when --autotune_level 1 was forgotten."""
+    monkeypatch.chdir(tmp_path)
+
+    def unused(*argv):
+        args, options = parse([*argv, "t.py"])
+        tuned = plan_launch(args, options).placement is not None
+        return unused_tuning_flags(args, options, tuned)
+
+    assert unused(*flags) == (
+        f"{named} effect only where a job is tuned, and this job is level 0, the default: "
+        "ignored; add --autotune_level 1 to tune"
+    )
+    assert unused("--autotune_level", "1", *flags) is None
+    # At level 1 with every knob pinned (one node: the bucket size), nothing is tuned either.
+    assert unused("--autotune_level", "1", "--bucket_size", "4096", *flags).endswith(
+        "every knob of this job is pinned (--bucket_size, and --[no-]hierarchical_reduce where "
+        "there are several nodes), so nothing is tuned and no service starts: ignored"
+    )
+    # Knob pins reach level 0's ranks; a config file may hold other levels' settings.
+    assert unused("--bucket_size", "4096", "--default_bucket_size", "8192") is None
+    assert unused("--autotune_device_memory", "1GiB") is None
+    (tmp_path / "c.yaml").write_text("autotune_max_samples: 5\n")
+    assert unused("--autotune_config", "c.yaml") is None

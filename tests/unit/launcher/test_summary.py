@@ -125,6 +125,16 @@ def test_a_job_that_registered_no_model_says_how_a_model_takes_part():
     assert "torch's own DistributedDataParallel is not tuned" in line
 
 
+def test_a_job_that_failed_before_any_model_registered_is_not_said_to_wrap_none():
+    (line,) = format_summary({"models": {}}, None, None, exit_code=3)
+    assert line == (
+        "distune: no model registered with the tuning service: nothing was tuned (the job "
+        "ended with exit code 3 before any model registered; see above why)"
+    )
+    (line,) = format_summary({"models": {}}, None, None, exit_code=0)
+    assert "wrapped no model" in line
+
+
 def registration(world_size, nnodes, gradient_bytes):
     return {"world_size": world_size, "nnodes": nnodes, "local_world_size": world_size // nnodes,
             "gradient_bytes": gradient_bytes, "fixed": {}}  # fmt: skip

@@ -264,10 +264,17 @@ def test_wrong_method_and_unknown_route_are_json(client):
     response = client.get("/api/v1/models/m/report")
     assert response.status_code == 405
     assert "POST" in response.headers["Allow"]
-    assert "error" in response.get_json()
+    # werkzeug's words named neither the method allowed nor where the routes are.
+    assert response.get_json() == {
+        "error": "Method Not Allowed: GET /api/v1/models/m/report; it takes POST"
+    }
     response = client.get("/api/v2/status")
     assert response.status_code == 404
-    assert "error" in response.get_json()
+    assert response.get_json() == {
+        "error": "Not Found: no route /api/v2/status; the routes are in GET /api/v1/openapi.json"
+    }
+    response = client.get("/dashboard/nothing.js")  # a 404 with words of its own keeps them
+    assert "the dashboard has no file 'nothing.js'" in response.get_json()["error"]
 
 
 def test_a_doubled_slash_is_a_json_404_not_a_redirect(client):
@@ -283,7 +290,10 @@ def test_bodies_over_one_mebibyte_get_413(client):
     body = json.dumps({"group_id": 0, "pad": "x" * MAX_BODY_BYTES})
     response = client.post("/api/v1/models/m/report", data=body, content_type="application/json")
     assert response.status_code == 413
-    assert "error" in response.get_json()
+    # It said werkzeug's "The data value transmitted exceeds the capacity limit.", no limit.
+    assert response.get_json() == {
+        "error": "body: over 1048576 bytes (1 MiB), the most a request may carry"
+    }
 
 
 def test_samples_switching_unit_is_a_400(client):
@@ -319,6 +329,14 @@ class TestToken:
         for path in ("/api/v1/status", "/api/v1/openapi.json", "/api/v1/models/m/log", "/nowhere"):
             assert client.get(path, headers=headers).status_code == 401
         assert client.get("/api/v1/status", headers=self.auth()).get_json() == {"models": {}}
+
+    @pytest.mark.parametrize("header", [f"bearer {TOKEN}", f"BEARER {TOKEN}", f"Bearer   {TOKEN}"])
+    def test_the_scheme_is_case_insensitive_as_rfc_7235_says(self, client, header):
+        """`bearer <token>` (curl users, some proxies) was refused with 401."""
+        response = client.get("/api/v1/status", headers={"Authorization": header})
+        assert response.status_code == 200
+        for wrong in (f"Basic {self.TOKEN}", f"Bearer {self.TOKEN} ", f"Bearer{self.TOKEN}"):
+            assert client.get("/api/v1/status", headers={"Authorization": wrong}).status_code == 401
 
     def test_the_right_token_is_served(self, client):
         response = client.post("/api/v1/models/m/register", json=REGISTRATION, headers=self.auth())

@@ -118,3 +118,21 @@ def test_bad_input_is_named() -> None:
         )
     with pytest.raises(RuntimeError, match="initialized"):
         distune.data.LoadBalancingDistributedSampler(dataset, lambda x: x)
+
+
+def test_numpy_scalar_costs_are_numbers() -> None:
+    """An array's ``.sum()`` is ``np.int64``, a float32 array's items ``np.float32``: both were
+    refused as "complexity_fn must return a finite number ... returned np.int64(5)"."""
+    import numpy as np
+
+    dataset = _Lengths(_lengths(40))
+    plain = _samplers(dataset, 2)
+    for cost in (lambda length: np.int64(length), lambda length: np.float32(length)):
+        sampler = distune.data.LoadBalancingDistributedSampler(
+            dataset, cost, num_replicas=2, rank=1
+        )
+        assert list(sampler) == list(plain[1])
+    with pytest.raises(ValueError, match=r"finite number; for sample 0 it returned np\.float64"):
+        distune.data.LoadBalancingDistributedSampler(
+            dataset, lambda length: np.float64("inf"), num_replicas=2, rank=0
+        )

@@ -94,15 +94,38 @@ def test_bucket_cap_mb_pins_the_bucket_size(world):
     assert model.hyperparameters == Hyperparameters(12, False)
 
 
+def test_bucket_cap_mb_may_be_a_numpy_number_as_in_torch(world):
+    import numpy as np
+
+    model = distune.DistributedDataParallel(mlp(), bucket_cap_mb=np.float32(1 / 256))
+    assert model.hyperparameters == Hyperparameters(12, False)
+
+
+def test_bucket_cap_mb_zero_is_torchs_bucket_per_parameter(world):
+    """torch takes 0 (it closes a bucket after every parameter); it was refused here."""
+    model = distune.DistributedDataParallel(mlp(), bucket_cap_mb=0)
+    assert model.hyperparameters == Hyperparameters(0, False)
+    assert len(model._reducer.bucket_sizes) == len(list(mlp().parameters()))
+    step(model)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
         ({"bucket_cap_mb": 1, "bucket_size": 2**20}, ValueError, "not both"),
-        ({"bucket_cap_mb": -1}, ValueError, "positive number of MiB"),
+        ({"bucket_cap_mb": -1}, ValueError, r"number of MiB from 0 .* to 2\*\*28 \(256 TiB"),
+        # It named the bucket size in bytes, which the script never gave.
+        ({"bucket_cap_mb": 2.0**30}, ValueError, r"bucket_cap_mb must be .* got 1073741824.0"),
         ({"output_device": "cuda:0"}, ValueError, "outputs stay on its device"),
         ({"device_ids": ["cuda:0"]}, ValueError, "device_ids=None for a CPU module"),
         ({"find_unused_parameters": "yes"}, TypeError, "find_unused_parameters must be True"),
         ({"dim": 1.5}, TypeError, "dim must be an int"),
+        # What new_group([0]) returns on rank 1: it said "must be a ProcessGroup, got -100".
+        (
+            {"process_group": dist.GroupMember.NON_GROUP_MEMBER},
+            ValueError,
+            "this rank is not in process_group: new_group",
+        ),
     ],
 )
 def test_torch_arguments_that_cannot_apply_say_why(world, kwargs, error, message):

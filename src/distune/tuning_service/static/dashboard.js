@@ -26,8 +26,11 @@ class TokenNeeded extends Error {}
 function takeTokenFromAddress() {
   const url = new URL(window.location.href);
   const fromHash = new URLSearchParams(url.hash.slice(1)).get("token");
-  const token = fromHash ?? url.searchParams.get("token");
-  if (token === null) return;
+  const given = fromHash ?? url.searchParams.get("token");
+  if (given === null) return;
+  // A query decodes "+" as a space, and a token has no spaces: a base64 token (openssl rand
+  // -base64) pasted into the address as it is keeps its "+".
+  const token = given.replaceAll(" ", "+");
   sessionStorage.setItem(TOKEN_KEY, token);
   url.searchParams.delete("token");
   url.hash = "";
@@ -88,7 +91,9 @@ function rate(value) {
 
 function gain(value) {
   if (!Number.isFinite(value)) return "-";
-  return `${value >= 0 ? "+" : ""}${(100 * value).toFixed(1)}%`;
+  const percent = (100 * value).toFixed(1);
+  // A score equal to the default's reads +0.0%, not the -0.0% of a rounding error.
+  return percent === "-0.0" ? "+0.0%" : `${value >= 0 ? "+" : ""}${percent}%`;
 }
 
 // --- the log -----------------------------------------------------------------------------------
@@ -244,12 +249,19 @@ function drawChart(chart, records, model) {
   });
   svg(chart, "polyline", { class: "running-best", points: steps.join(" ") });
 
+  // Every point's gain divides by the level drawn, the default's score as the service judges
+  // it now (a row's logged gain divided by the default's score when it was logged); that is
+  // the default's first sample alone until it is measured again, as the progress lines say.
+  const versus = samples.filter((r) => r.bucketSize2p === first.bucketSize2p
+    && r.hierarchical === first.hierarchical).length > 1
+    ? "vs default" : "vs the default's first sample";
   for (const r of samples) {
     const known = r.phase in PHASES ? r.phase : "initial";
     const point = svg(chart, "circle", { cx: x(r.iteration), cy: y(r.score), r: 5,
       class: `mark sample phase-${known}`, "data-sample": r.sample });
+    const said = r === first ? "the default group" : `${gain(r.score / defaultScore - 1)} ${versus}`;
     svg(point, "title", {}, `sample ${r.sample} (${r.phase}): ${describe(r.bucketSize2p,
-      r.hierarchical)} -> ${rate(r.score)} (${gain(r.gain)} vs default) at iteration ${r.iteration}`);
+      r.hierarchical)} -> ${rate(r.score)} (${said}) at iteration ${r.iteration}`);
     svg(chart, "text", { x: x(r.iteration), y: y(r.score) - 9, "text-anchor": "middle",
       class: "point-label" }, `2^${r.bucketSize2p}${r.hierarchical ? " h" : ""}`);
   }
