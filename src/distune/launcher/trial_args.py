@@ -30,7 +30,8 @@ def flag_value(script_args: list[str], flag: str) -> str | None:
     """The value the script's parser sees for ``flag`` (its last ``--flag V`` or
     ``--flag=V``), or None where the arguments do not give it."""
     value = None
-    for arg, following in zip(script_args, [*script_args[1:], None], strict=True):
+    # Each argument with the one after it (None after the last; no arguments, no pairs).
+    for arg, following in zip(script_args, [*script_args[1:], None], strict=False):
         if arg == flag and following is not None:
             value = following
         elif arg.startswith(f"{flag}="):

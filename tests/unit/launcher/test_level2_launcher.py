@@ -143,6 +143,14 @@ def test_the_profile_is_told_the_batch_the_scripts_own_mapped_flags_give() -> No
     assert script_batch(["--bs", "4"], TrialPins()) == TrialPins()  # unmapped: nothing told
 
 
+def test_a_script_given_no_arguments_is_profiled_with_its_own_defaults() -> None:
+    # `distune-run ... train.py` with arg_mappings in the config: the launcher used to fail
+    # with a ValueError from zip() before the profile trial started.
+    pins = TrialPins(arg_mappings=(("train_micro_batch_size_per_gpu", "--bs"),))
+    assert script_batch([], pins) == pins
+    assert rewrite_script_args([], pins, 8, 1) == ["--bs", "8"]
+
+
 def test_the_best_command_keeps_torchrun_flags_and_turns_tuning_off() -> None:
     argv = [
         "--nproc_per_node",
