@@ -3,6 +3,7 @@ mapped flags, the command that runs the winner with tuning off, and the level-2 
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -111,16 +112,34 @@ def test_mapped_flags_are_rewritten_in_both_spellings() -> None:
     )
     args = ["--bs", "4", "--lr", "0.1", "--accum=2", "--steps", "10"]
     assert rewrite_script_args(args, pins, 8, 1) == [
-        "--lr",
-        "0.1",
-        "--steps",
-        "10",
-        "--accum",
-        "1",
-        "--bs",
-        "8",
-    ]
+        "--bs", "8", "--lr", "0.1", "--accum", "1", "--steps", "10",
+    ]  # fmt: skip
     assert rewrite_script_args(args, TrialPins(), 8, 1) == args  # unmapped: left alone
+    # Given twice, the last occurrence takes the value and the earlier one goes; a flag the
+    # arguments do not give is appended.
+    assert rewrite_script_args(["--bs", "2", "--lr", "1", "--bs=4"], pins, 8, 1) == [
+        "--lr", "1", "--bs", "8", "--accum", "1",
+    ]  # fmt: skip
+
+
+def test_mapped_flags_keep_their_place_before_a_subcommand() -> None:
+    # `train.py --bs 4 --accum 2 fit`: the main parser's flags must stay before the
+    # subcommand, whose own parser refuses them (`unrecognized arguments: --accum 2 --bs 4`,
+    # which ended the profile trial, and so the tuning, when they were moved to the end).
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bs", type=int)
+    parser.add_argument("--accum", type=int)
+    parser.add_subparsers(dest="command").add_parser("fit").add_argument("--steps", type=int)
+    pins = TrialPins(
+        arg_mappings=(
+            ("gradient_accumulation_steps", "--accum"),
+            ("train_micro_batch_size_per_gpu", "--bs"),
+        )
+    )
+    own = ["--bs", "4", "--accum", "2", "fit", "--steps", "9"]
+    assert rewrite_script_args(own, pins, 4, 2) == own  # the profile runs them as given
+    parsed = parser.parse_args(rewrite_script_args(own, pins, 8, 1))
+    assert (parsed.bs, parsed.accum, parsed.command, parsed.steps) == (8, 1, "fit", 9)
 
 
 def test_the_profile_is_told_the_batch_the_scripts_own_mapped_flags_give() -> None:
@@ -328,7 +347,7 @@ def test_the_arg_mappings_example_config_is_valid() -> None:
     pins = trial_pins(args)
     assert pins.global_batch is None  # the script's own global batch is kept
     assert rewrite_script_args(["--batch-size", "2"], pins, 8, 2) == [
-        "--grad-accum", "2", "--batch-size", "8",
+        "--batch-size", "8", "--grad-accum", "2",
     ]  # fmt: skip
 
 
