@@ -151,6 +151,38 @@ def test_a_rank_whose_script_ended_early_is_named_as_the_cause_of_the_crash(tmp_
     )
 
 
+# Rank 1 ends through sys.exit in its second step (no excepthook sees it); rank 0 then fails
+# in its all-reduce with it and reports that crash.
+RANK_1_EXITS = """
+import sys, torch, torch.distributed as dist
+from torch import nn
+import distune
+dist.init_process_group("gloo")
+model = nn.Linear(4, 1)
+run = distune.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2)
+for step in range(20):
+    if step == 1 and dist.get_rank() == 1:
+        sys.exit("rank 1: corrupt shard 00017.bin")
+    run.model(torch.randn(run.micro_batch_size, 4)).sum().backward()
+    run.optimizer.step()
+    run.optimizer.zero_grad()
+"""
+
+
+def test_the_crash_shown_is_the_rank_that_failed_first_not_its_peers_collective(tmp_path):
+    script = tmp_path / "rank_1_exits.py"
+    script.write_text(RANK_1_EXITS)
+    args, _ = parse(["--nproc_per_node", "2", str(script)])
+    run = TrialRunner(args, TRIAL_TIMEOUT, tmp_path / "trials").run(
+        0, TrialSettings(micro_batch=2, accumulation=1), [], free_port()
+    )
+    assert run.outcome == CRASH
+    assert run.error is not None
+    assert "Connection closed by peer" not in run.error  # rank 0's report: a symptom
+    assert run.error.startswith("rank 1 exited with status 1")
+    assert run.error.splitlines()[-1] == "rank 1: corrupt shard 00017.bin"
+
+
 # A launcher as the trial runner starts a trial, which then dies without stopping it.
 LAUNCHER = """
 import os, subprocess, sys, time

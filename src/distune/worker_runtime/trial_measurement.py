@@ -133,8 +133,11 @@ def writes_progress(rank: int, environ: Mapping[str, str]) -> bool:
 
 def write_rank_outcome(trial_dir: Path, rank: int, outcome: str, **details: Any) -> None:
     """Write how this rank's part of the trial ended (``ok``, ``oom``, ``crash``) where the
-    launcher collects every rank's, with ``details`` (the error, the peak memory)."""
-    write_json(trial_dir / f"rank{rank}.json", {"rank": rank, "outcome": outcome, **details})
+    launcher collects every rank's, with ``details`` (the error, the peak memory) and when
+    (``time``, seconds since the epoch): of several crashed ranks the first to fail is the
+    cause, its peers failed after it in their collectives."""
+    report = {"rank": rank, "outcome": outcome, **details, "time": time.time()}
+    write_json(trial_dir / f"rank{rank}.json", report)
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -61,6 +61,15 @@ def test_a_crash_carries_the_failing_ranks_traceback_tail() -> None:
     assert error == "ValueError: bad"
 
 
+def test_of_several_crashed_ranks_the_first_to_fail_is_the_cause() -> None:
+    # Rank 1 raised; rank 0 then failed in its all-reduce with it, and sorts first by name.
+    peer = {"rank": 0, "outcome": "crash", "error": "RuntimeError: Connection closed by peer"}
+    cause = {"rank": 1, "outcome": "crash", "error": "KeyError: 'foo'", "time": 100.0}
+    assert classify(1, False, [{**peer, "time": 100.8}, cause], None, "")[1] == "KeyError: 'foo'"
+    # A report without a time (an older rank's) never hides one with it.
+    assert classify(1, False, [peer, cause], None, "")[1] == "KeyError: 'foo'"
+
+
 def test_a_timed_out_trial_says_how_far_it_got_and_names_the_flag() -> None:
     flag = "; --autotune_trial_timeout gives steps more time"
     assert stalled(3, 120.0).startswith("no step finished for 120 s after step 3: ")
