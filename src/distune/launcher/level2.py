@@ -283,12 +283,19 @@ def check_results_dir(options: AutotuneOptions) -> None:
     path = options.autotune_results_dir
     if path is None or resumes_in_place(options):
         return
-    for held in ("trials.jsonl", JOB_FILE):
-        if (path / held).exists():
-            raise OptionError(
-                f"--autotune_results_dir {path} already holds {held} of a level-2 run; choose "
-                "another directory, or pass it as --autotune_resume to go on from it"
-            )
+    if (path / "trials.jsonl").exists():
+        raise OptionError(
+            f"--autotune_results_dir {path} already holds trials.jsonl of a level-2 run; choose "
+            "another directory, or pass it as --autotune_resume to go on from it"
+        )
+    if (path / JOB_FILE).exists():
+        # No trial recorded: nothing to resume (--autotune_resume wants a trials.jsonl).
+        raise OptionError(
+            f"--autotune_results_dir {path} already holds {JOB_FILE} of a level-2 run that "
+            "recorded no trial: it is running now, or was stopped before its first trial "
+            f"ended, with nothing to resume; choose another directory, or delete {path / JOB_FILE} "
+            "if no run uses it"
+        )
 
 
 def _results_dir(options: AutotuneOptions) -> Path:

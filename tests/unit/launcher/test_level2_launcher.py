@@ -437,8 +437,15 @@ def test_a_used_results_dir_is_refused_before_anything_starts_unless_resumed_in_
     running.mkdir()
     (running / "job.json").write_text("{}")
     _, options = parse([*argv[:-1], str(running), "t.py"])
-    with pytest.raises(OptionError, match=r"already holds job\.json of a level-2 run"):
+    with pytest.raises(OptionError, match=r"already holds job\.json of a level-2 run") as refused:
         check_results_dir(options)
+    # Nor told to resume it (a run stopped during its profile trial): with no trials.jsonl,
+    # --autotune_resume refuses it; what to do instead is named.
+    assert "--autotune_resume" not in str(refused.value)
+    assert str(refused.value).endswith(f"delete {running / 'job.json'} if no run uses it")
+    with pytest.raises(SystemExit):
+        parse([*argv[:-1], str(running), "--autotune_resume", str(running), "t.py"])
+    assert "holds no trials.jsonl" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
