@@ -32,6 +32,7 @@ from torch.distributed.run import parse_min_max_nnodes
 
 from distune.cut_line import parse_keeping_finished
 from distune.errors import ServiceError
+from distune.launcher.config_file import load_config
 from distune.launcher.options import AutotuneOptions, OptionError, flags, local_world_size
 from distune.launcher.trial_args import rewrite_script_args, script_batch
 from distune.launcher.trial_client import TrialClient, TrialRefusedError
@@ -261,6 +262,17 @@ def command_without_tuning(argv: list[str], args: argparse.Namespace, best: Path
         else:
             kept.append(arg)
     return ["distune-run", "--autotune_level", "0", "--autotune_config", str(best), *kept, *rest]
+
+
+def carried_settings(config: str | None) -> dict[str, Any]:
+    """The settings of the job's own ``--autotune_config`` that the winner's run keeps and
+    ``best_config.json`` must carry, since ``best_command.txt`` runs with that file instead:
+    every launcher setting but the tuning's own (``autotune_*``), such as a pinned
+    ``bucket_size`` or ``hierarchical_reduce``. The file was checked when the job started."""
+    if config is None:
+        return {}
+    kept = {dest for dest, _ in flags() if not dest.startswith(("autotune_", "is_output_"))}
+    return {key: value for key, value in load_config(Path(config)).items() if key in kept}
 
 
 def free_port() -> int:
@@ -753,9 +765,10 @@ class Level2:
 
     def _write_best(self, best: TrialConfig, mapped: bool) -> Path:
         """Write best_config.json (with the config's arg_mappings where ``mapped``: the winner
-        runs with its knobs set through them) and best_command.txt; the former's path."""
+        runs with its knobs set through them, and the job's own other settings) and
+        best_command.txt; the former's path."""
         best_file = self.results_dir / "best_config.json"
-        config = best.to_config(self.world_size)
+        config = {**carried_settings(self.args.autotune_config), **best.to_config(self.world_size)}
         if self.pins.arg_mappings and mapped:
             config["arg_mappings"] = dict(self.pins.arg_mappings)
         best_file.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -207,6 +208,32 @@ def test_the_best_command_keeps_torchrun_flags_and_turns_tuning_off() -> None:
         "--autotune_level",
         "7",
     ]
+
+
+def test_the_best_config_keeps_the_jobs_own_settings_from_its_config_file(tmp_path) -> None:
+    from distune.launcher.level2 import Level2
+    from distune.launcher.trial_client import TrialClient
+
+    # A pinned bucket size in the config file: the run after the trials uses it, and so must
+    # best_command.txt, which replaces that file with best_config.json (it used to drop it).
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        "bucket_size: 1048576\nhierarchical_reduce: false\nautotune_max_trials: 5\n"
+        "train_micro_batch_size_per_gpu: 4\ngradient_accumulation_steps: 2\n"
+        "zero_optimization: {stage: 1}\nactivation_checkpointing: false\n"
+    )
+    argv = ["--nproc_per_node", "2", "--autotune_level", "2", "--autotune_results_dir",
+            str(tmp_path / "results"), "--autotune_config", str(config), "t.py"]  # fmt: skip
+    args, options = parse(argv)
+    level2 = Level2(args, options, trial_pins(args), argv, TrialClient("http://127.0.0.1:9"))
+    level2.untuned(TrialConfig(4, 2, 1, False))
+    best = tmp_path / "results" / "best_config.json"
+    written = json.loads(best.read_text())
+    assert (written["bucket_size"], written["hierarchical_reduce"]) == (1048576, False)
+    assert "autotune_max_trials" not in written  # the tuning's own settings stay behind
+    again, options = parse(shlex.split((best.parent / "best_command.txt").read_text())[1:])
+    assert (options.bucket_size, options.hierarchical_reduce) == (1048576, False)
+    assert trial_pins(again).stage == 1
 
 
 @pytest.mark.parametrize(
