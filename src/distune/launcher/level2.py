@@ -503,6 +503,8 @@ class Level2:
         #: Nodes that reported the last trial (all of them until a trial ends).
         self.answering = set(range(self.nnodes))
         self.started = time.monotonic()
+        #: The search once the profile trial ran (a stop writes the summary of its trials).
+        self.search: TrialSearch | None = None
 
     def _earlier_results(self) -> list[TrialResult]:
         if self.options.autotune_resume is None:
@@ -640,6 +642,10 @@ class Level2:
         except BaseException as error:
             # Every node stops with this one: a signal's name, or what went wrong here.
             reason = error.sigval.name if isinstance(error, SignalException) else str(error)
+            with contextlib.suppress(OSError):  # the trials recorded so far, said to be so
+                decisions = [] if self.search is None else list(self.search.decisions)
+                seconds = time.monotonic() - self.started
+                self.report.finish(self.search, decisions, seconds, stopped=reason)
             with contextlib.suppress(ServiceError, TrialRefusedError):
                 self.client.stop(self.node.node_rank, reason[:200] or type(error).__name__)
                 self._wait_acknowledged(STOP_ACK_WAIT)
@@ -707,6 +713,7 @@ class Level2:
             self.metric,
         )
         search.record(profile)
+        self.search = search
         seen = 0
         while not only_one and (proposal := search.next_trial()) is not None:
             self._run_proposal(search, proposal)

@@ -66,12 +66,31 @@ class TrialReport:
         ]
         (self.directory / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
-    def finish(self, search: TrialSearch | None, decisions: list[str], seconds: float) -> None:
-        """Write ``summary.md``."""
+    def finish(
+        self,
+        search: TrialSearch | None,
+        decisions: list[str],
+        seconds: float,
+        stopped: str | None = None,
+    ) -> None:
+        """Write ``summary.md``; ``stopped`` says why the run ended before its search did (a
+        signal, an error): the summary then holds the trials recorded so far, and says so."""
         lines = ["# distune level 2", ""]
         profile = next((r for r in self.results if r.purpose == "profile"), None)
         best = search.best() if search is not None else None
         unit = "samples/s" if self.metric == THROUGHPUT else "s/step"
+        if stopped is not None:
+            then = (
+                f"the best below is the best so far, and `--autotune_resume {self.directory}` "
+                "reuses these trials for the same job"
+                if self.results
+                else "no trial was recorded"
+            )
+            lines += [
+                f"**Stopped** ({stopped}) after {len(self.results)} recorded trial(s), before "
+                f"the search ended: nothing was chosen; {then}.",
+                "",
+            ]
         lines += [
             f"Metric: {self.metric} ({'maximised' if self.metric == THROUGHPUT else 'minimised'})."
             f" Trials: {len(self.results)}, {seconds:.0f} s in all.",
@@ -94,7 +113,10 @@ class TrialReport:
         if best is not None and search is not None and profile is not None:
             mean = sum(search.scores(best)) / len(search.scores(best))
             shown = mean if self.metric == THROUGHPUT else -mean
-            lines.append(f"**Best:** {best.describe()}: {shown:.3f} {unit} (mean of its trials).")
+            title = "Best so far" if stopped is not None else "Best"
+            lines.append(
+                f"**{title}:** {best.describe()}: {shown:.3f} {unit} (mean of its trials)."
+            )
             if profile.outcome == OK:
                 base = profile.value(self.metric)
                 gain = mean / base if self.metric == THROUGHPUT else base / mean
