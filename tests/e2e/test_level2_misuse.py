@@ -183,6 +183,43 @@ def test_the_crash_shown_is_the_rank_that_failed_first_not_its_peers_collective(
     assert run.error.splitlines()[-1] == "rank 1: corrupt shard 00017.bin"
 
 
+# Starts a helper it would stop in its `finally`, which a measured rank's os._exit skips.
+STARTS_A_HELPER = """
+import subprocess, sys, torch, torch.distributed as dist
+from torch import nn
+import distune
+dist.init_process_group("gloo")
+helper = subprocess.Popen(["sleep", "120"])
+open(sys.argv[1], "w").write(str(helper.pid))
+try:
+    model = nn.Linear(4, 1)
+    run = distune.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2)
+    for _ in range(20):
+        run.model(torch.randn(run.micro_batch_size, 4)).sum().backward()
+        run.optimizer.step()
+        run.optimizer.zero_grad()
+finally:
+    helper.terminate()
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux's /proc")
+def test_what_a_measured_rank_left_running_ends_with_its_trial(tmp_path):
+    script = tmp_path / "starts_a_helper.py"
+    script.write_text(STARTS_A_HELPER)
+    pid_file = tmp_path / "helper.pid"
+    run = one_trial(tmp_path, [str(script)]).run(
+        0, TrialSettings(micro_batch=2, accumulation=1), [str(pid_file)], free_port()
+    )
+    helper = int(pid_file.read_text())
+    try:
+        assert run.outcome == OK, run.error
+        assert not running(helper)  # it used to run on, a child of init, for its 120 s
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(helper, signal.SIGKILL)
+
+
 # A launcher as the trial runner starts a trial, which then dies without stopping it.
 LAUNCHER = """
 import os, subprocess, sys, time

@@ -195,6 +195,19 @@ def _belongs(pid: int, trial_dir: Path) -> bool:
         return False
 
 
+def left_running(trial_dir: Path) -> set[int]:
+    """The processes still carrying this trial's ``DISTUNE_TRIAL_DIR`` (found in /proc; empty
+    where absent) once its ranks ended: what a rank started and left behind (a helper server
+    the script stops in a ``finally``, DataLoader workers), since a measured rank ends at once
+    with ``os._exit``, and neither its ``finally`` blocks nor its atexit handlers run."""
+    found: set[int] = set()
+    with contextlib.suppress(OSError):
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and _belongs(int(entry.name), trial_dir):
+                found.add(int(entry.name))
+    return found
+
+
 def read_log_tail(path: Path) -> str:
     """The last lines of a log (empty where it cannot be read)."""
     with contextlib.suppress(OSError):
@@ -335,6 +348,7 @@ class TrialRunner:
             finally:
                 if process.poll() is None:
                     self._stop(process, trial_dir)
+                self._end_left_running(trial_dir)
         exit_code = process.returncode
         reports = [r for p in sorted(trial_dir.glob("rank*.json")) if (r := read_json_object(p))]
         result = read_json_object(trial_dir / RESULT_FILE)
@@ -401,6 +415,19 @@ class TrialRunner:
                     return False, reason
             time.sleep(_POLL)
         return False, None
+
+    def _end_left_running(self, trial_dir: Path) -> None:
+        """Stop what the trial's ranks left running (:func:`left_running`), gently first."""
+        pids = left_running(trial_dir)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + _STOP_GRACE
+        while time.monotonic() < deadline and any(_belongs(p, trial_dir) for p in pids):
+            time.sleep(_POLL / 4)
+        for pid in left_running(trial_dir):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
 
     def _stop(self, process: subprocess.Popen, trial_dir: Path) -> None:
         """Stop the trial's agent and ranks by their ids, gently first."""
