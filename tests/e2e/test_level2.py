@@ -147,6 +147,10 @@ def test_a_script_without_prepare_is_tuned_through_arg_mappings_only(launch, tmp
     run = launch([*argv, "--autotune_config", config, *mlp, *batch])
     assert run.wait(timeout=240) == 0, run.output
     assert "measured through distune.DistributedDataParallel" in run.output
+    # ... and so does the summary, which lists what the search left out and why.
+    assert (
+        "measured through distune.DistributedDataParallel" in (results / "summary.md").read_text()
+    )
     profile, search, remeasure = trials(results)
     assert remeasure["purpose"] == "remeasure" and remeasure["outcome"] == "ok"
     assert profile["config"] == {  # learned from the wrapper's forwards

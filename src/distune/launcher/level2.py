@@ -505,6 +505,9 @@ class Level2:
         self.started = time.monotonic()
         #: The search once the profile trial ran (a stop writes the summary of its trials).
         self.search: TrialSearch | None = None
+        #: What was said of the whole search before it began (pins, knobs left out), which
+        #: summary.md lists first among its decisions.
+        self.notices: list[str] = []
 
     def _earlier_results(self) -> list[TrialResult]:
         if self.options.autotune_resume is None:
@@ -514,6 +517,11 @@ class Level2:
     def _say(self, text: str) -> None:
         if not self.options.autotune_quiet:
             print(f"distune: {text}", flush=True)
+
+    def _notice(self, text: str) -> None:
+        """Say ``text`` and keep it for summary.md: what the search leaves out, and why."""
+        self._say(text)
+        self.notices.append(text)
 
     def _reused(self, index: int, config: TrialConfig | None, purpose: str) -> TrialResult | None:
         for earlier in self.earlier:
@@ -643,7 +651,7 @@ class Level2:
             # Every node stops with this one: a signal's name, or what went wrong here.
             reason = error.sigval.name if isinstance(error, SignalException) else str(error)
             with contextlib.suppress(OSError):  # the trials recorded so far, said to be so
-                decisions = [] if self.search is None else list(self.search.decisions)
+                decisions = [*self.notices, *(self.search.decisions if self.search else [])]
                 seconds = time.monotonic() - self.started
                 self.report.finish(self.search, decisions, seconds, stopped=reason)
             with contextlib.suppress(ServiceError, TrialRefusedError):
@@ -678,11 +686,11 @@ class Level2:
         where = f" on {self.nnodes} nodes" if self.nnodes > 1 else ""
         self._say(f"level 2 results in {self.results_dir}; trials{where}")
         if self.pins.pinned():
-            self._say(f"pinned (never changed): {self.pins.pinned()}")
+            self._notice(f"pinned (never changed): {self.pins.pinned()}")
         profile = self._trial(0, None, PROFILE, None)
         if profile.outcome != OK:
-            self._say(profile_failed(profile))
-            self.report.finish(None, [], time.monotonic() - self.started)
+            self._notice(profile_failed(profile))
+            self.report.finish(None, list(self.notices), time.monotonic() - self.started)
             return None
         assert profile.facts is not None
         try:
@@ -697,9 +705,9 @@ class Level2:
             raise OptionError(f"--autotune_level 2: {error}") from None
         untried = space.untried_for_want_of_blocks()
         if untried:
-            self._say(no_blocks_notice(untried))
+            self._notice(no_blocks_notice(untried))
         if profile.facts.get("api") == WRAPPER_API:
-            self._say(
+            self._notice(
                 "the script is measured through distune.DistributedDataParallel (it never calls "
                 "distune.prepare): micro-batch x accumulation through arg_mappings, on DDP "
                 "without checkpointing"
@@ -720,7 +728,7 @@ class Level2:
             for decision in search.decisions[seen:]:
                 self._say(decision)
             seen = len(search.decisions)
-        decisions = list(search.decisions)
+        decisions = [*self.notices, *search.decisions]
         if only_one:
             # A script measured through its wrapper with its mapped knobs pinned: the profile
             # ran the only configuration there is, and measuring it again chooses nothing.
