@@ -538,7 +538,7 @@ class Level2:
         """Run (or, resuming, reuse) one trial on every node and record it."""
         reused = self._reused(index, config, purpose)
         if reused is not None:
-            self._say(f"trial {index}: {reused.config.describe()}: {reused.outcome} (resumed)")
+            self._say(f"trial {index}: {reused.describe()}: {reused.outcome} (resumed)")
             self.client.record(index, reused.to_json())
             self.report.add(reused)
             return reused
