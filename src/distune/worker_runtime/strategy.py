@@ -132,10 +132,10 @@ def _refuse_the_replaced_optimizer(
     train the model the stage shards (under FSDP its parameters no longer hold the gradients)
     and no step of it would be measured."""
     raise StrategyError(
-        f"distune.prepare: under ZeRO stage {stage} the model trains with run.optimizer, which "
-        "replaces the optimizer handed to prepare; the script stepped that one, which would "
-        "not train the sharded model: call run.optimizer.step() and run.optimizer.zero_grad() "
-        "(and build schedulers and gradient scalers on run.optimizer)"
+        "distune.prepare: call run.optimizer.step(), not the step of the optimizer handed to "
+        f"prepare: under ZeRO stage {stage} run.optimizer replaces it, and stepping the old one "
+        "would not train the sharded model (zero the gradients and build schedulers and "
+        "gradient scalers on run.optimizer too)"
     )
 
 
