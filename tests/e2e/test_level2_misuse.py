@@ -125,6 +125,25 @@ def test_a_prepare_script_that_ignores_the_trials_micro_batch_crashes_rather_tha
     )
 
 
+# As OWN_BATCHES, with 8 input features: a trial micro-batch of 8 is in its input's shape.
+OWN_BATCHES_OF_8_FEATURES = OWN_BATCHES.replace("16", "8")
+
+
+def test_a_prepare_trial_reports_where_its_micro_batch_was_in_the_input(tmp_path):
+    # The script ignores the trial's 8 and runs its own 2, which the first-forward check
+    # cannot see ((2, 8) holds an 8): the dimension found (1, not the profile's 0) is what
+    # lets the launcher refuse the trial rather than measure 2 samples as 8.
+    script = tmp_path / "own_batches.py"
+    script.write_text(OWN_BATCHES_OF_8_FEATURES)
+    runner = one_trial(tmp_path, [str(script)])
+    own = runner.run(0, TrialSettings(micro_batch=2, accumulation=1), [], free_port())
+    assert own.outcome == OK, own.error
+    assert own.measurements is not None and own.measurements["batch_dimensions"] == [0]
+    told_8 = runner.run(1, TrialSettings(micro_batch=8, accumulation=1), [], free_port())
+    assert told_8.outcome == OK, told_8.error
+    assert told_8.measurements is not None and told_8.measurements["batch_dimensions"] == [1]
+
+
 # Rank 1's script ends at once; rank 0 then fails, as in its next collective with rank 1.
 ENDS_EARLY = """
 import os, sys, time

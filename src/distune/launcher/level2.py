@@ -23,6 +23,7 @@ import shlex
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -67,8 +68,10 @@ DEFAULT_MAX_TRIALS = 20
 #: The purpose of trial 0: the script's own configuration, as it runs without distune.
 PROFILE = "profile"
 DEFAULT_TRIAL_TIMEOUT = 120.0
-#: The profile result's ``api`` of a script measured through its DistributedDataParallel.
+#: The profile result's ``api`` of a script measured through its DistributedDataParallel,
+#: and of one that calls distune.prepare.
 WRAPPER_API = "wrapper"
+PREPARE_API = "prepare"
 _TAKING_PART = (
     " (a script takes part in level 2 by calling distune.prepare, or by wrapping its model in "
     "distune.DistributedDataParallel with its batch flags named in the config's arg_mappings)"
@@ -152,15 +155,28 @@ def space_pins(pins: TrialPins, profile: TrialConfig, api: str | None) -> TrialP
 
 
 def batch_moved(profile: TrialResult, result: TrialResult, flag: str | None) -> str | None:
-    """Why the search must stop where a trial of a script measured through its wrapper found
-    its micro-batch in another dimension of the input than the profile read it from: the
-    profile, told no micro-batch (the script's mapped flag left to its default), read the
-    first dimension of a sequence-first input, and the global batch everything keeps is
-    wrong. None where they agree (or either does not say)."""
+    """Why the search must stop where a trial found its micro-batch in another dimension of
+    the script's first input than the profile did. A ``prepare`` script then builds its
+    batches from its own size, not ``run.micro_batch_size`` (the trial's size only happened
+    to be another dimension's, a feature width of 32): the trial ran another configuration
+    than the one it would be measured as. A script measured through its wrapper was profiled
+    told no micro-batch (its mapped flag left to its default), so the profile read the first
+    dimension of a sequence-first input, and the global batch everything keeps is wrong. None
+    where they agree (or either does not say)."""
     read = (profile.facts or {}).get("batch_dimensions")
     found = (result.facts or {}).get("batch_dimensions")
     if not read or not found or set(read) & set(found):
         return None
+    if (profile.facts or {}).get("api") == PREPARE_API:
+        return (
+            f"trial {result.trial}: distune.prepare set the micro-batch to "
+            f"{result.config.micro_batch}, which the script's first input holds only in "
+            f"dimension {found[0]}, but the profile trial's micro-batch "
+            f"({profile.config.micro_batch}) was in dimension {read[0]}: the script builds its "
+            "batches from its own size (a data loader made before prepare, say), not "
+            "run.micro_batch_size, so no trial runs the configuration it would be measured as; "
+            "build each micro-batch with run.micro_batch_size samples"
+        )
     return (
         f"trial {result.trial} found its micro-batch ({result.config.micro_batch}) in dimension "
         f"{found[0]} of the script's first input, but the profile trial read dimension {read[0]} "
@@ -533,9 +549,15 @@ class Level2:
         return None
 
     def _trial(
-        self, index: int, config: TrialConfig | None, purpose: str, predicted: int | None
+        self,
+        index: int,
+        config: TrialConfig | None,
+        purpose: str,
+        predicted: int | None,
+        refuse: Callable[[TrialResult], str | None] | None = None,
     ) -> TrialResult:
-        """Run (or, resuming, reuse) one trial on every node and record it."""
+        """Run (or, resuming, reuse) one trial on every node and record it; one that ran ok
+        but ``refuse`` says did not run its configuration is recorded as a crash saying so."""
         reused = self._reused(index, config, purpose)
         if reused is not None:
             self._say(f"trial {index}: {reused.describe()}: {reused.outcome} (resumed)")
@@ -584,6 +606,12 @@ class Level2:
             facts=measured or None,
             steps=run.steps,
         )
+        why = refuse(result) if refuse is not None and result.outcome == OK else None
+        if why is not None:  # never recorded as measuring what it did not run
+            result = replace(
+                result, outcome=CRASH, error=why, throughput=None, throughput_spread=None,
+                step_seconds=None,
+            )  # fmt: skip
         self.client.record(index, result.to_json())
         self.report.add(result)
         self._say(self.report.line(result))
@@ -745,10 +773,15 @@ class Level2:
         return search
 
     def _run_proposal(self, search: TrialSearch, proposal: Proposal) -> None:
+        profile, flag = search.results[0], self.pins.flag_for(MICRO_BATCH)
         result = self._trial(
-            len(search.results), proposal.config, proposal.purpose, proposal.predicted_memory_bytes
+            len(search.results),
+            proposal.config,
+            proposal.purpose,
+            proposal.predicted_memory_bytes,
+            refuse=lambda ran: batch_moved(profile, ran, flag),
         )
-        moved = batch_moved(search.results[0], result, self.pins.flag_for(MICRO_BATCH))
+        moved = batch_moved(profile, result, flag)
         if moved is not None:
             raise OptionError(f"--autotune_level 2: {moved}")
         change = search.space.batch_change(proposal.config)

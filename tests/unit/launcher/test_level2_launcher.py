@@ -671,3 +671,25 @@ def test_a_trial_finding_the_batch_in_another_dimension_than_the_profile_stops_t
     assert batch_moved(profile, ran(2, 35, [0, 1]), "--batch_size") is None  # (35, 35): agrees
     assert batch_moved(ran(0, 20, [1]), ran(1, 10, [1]), "--batch_size") is None  # told: agrees
     assert batch_moved(_ran(0, TrialConfig(2, 4, 0, False), "ok", "profile"), profile, None) is None
+
+
+def test_a_prepare_trial_holding_its_micro_batch_elsewhere_than_the_profile_is_refused() -> None:
+    from distune.launcher.level2 import batch_moved
+
+    def ran(trial: int, micro: int, dimensions: list[int]) -> TrialResult:
+        facts = {"api": "prepare", "batch_dimensions": dimensions}
+        return TrialResult(
+            trial, TrialConfig(micro, 1, 0, False), 2, "ok", "search", throughput=1.0,
+            step_seconds=1.0, facts=facts,
+        )  # fmt: skip
+
+    # Its own 4 samples of 32 features, (4, 32), in the profile and in a trial set to 32: the
+    # trial would be measured as 32 samples a forward (8 x the throughput, and chosen).
+    moved = batch_moved(ran(0, 4, [0]), ran(1, 32, [1]), None)
+    assert moved is not None and moved.startswith(
+        "trial 1: distune.prepare set the micro-batch to 32, which the script's first input "
+        "holds only in dimension 1, but the profile trial's micro-batch (4) was in dimension 0"
+    )
+    assert moved.endswith("build each micro-batch with run.micro_batch_size samples")
+    assert batch_moved(ran(0, 4, [0]), ran(1, 32, [0, 1]), None) is None  # (32, 32): built so
+    assert batch_moved(ran(0, 4, [1]), ran(1, 8, [1]), None) is None  # sequence-first, (35, 8)
