@@ -125,6 +125,15 @@ def test_sigint_during_a_trial_leaves_nothing_behind(launch, tmp_path):
     run.process.send_signal(signal.SIGINT)
     assert run.wait(timeout=60) == 128 + signal.SIGINT, run.output
     assert run.leftovers() == []
+    # The summary says the run stopped, and what it recorded (here, in its profile: nothing).
+    assert (
+        (results / "summary.md")
+        .read_text()
+        .startswith(
+            "# distune level 2\n\n**Stopped** (SIGINT) after 0 recorded trial(s), before the "
+            "search ended: nothing was chosen; no trial was recorded."
+        )
+    )
 
 
 def test_a_script_without_prepare_is_tuned_through_arg_mappings_only(launch, tmp_path):
@@ -138,6 +147,10 @@ def test_a_script_without_prepare_is_tuned_through_arg_mappings_only(launch, tmp
     run = launch([*argv, "--autotune_config", config, *mlp, *batch])
     assert run.wait(timeout=240) == 0, run.output
     assert "measured through distune.DistributedDataParallel" in run.output
+    # ... and so does the summary, which lists what the search left out and why.
+    assert (
+        "measured through distune.DistributedDataParallel" in (results / "summary.md").read_text()
+    )
     profile, search, remeasure = trials(results)
     assert remeasure["purpose"] == "remeasure" and remeasure["outcome"] == "ok"
     assert profile["config"] == {  # learned from the wrapper's forwards

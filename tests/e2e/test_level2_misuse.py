@@ -125,6 +125,22 @@ def test_a_prepare_script_that_ignores_the_trials_micro_batch_crashes_rather_tha
     )
 
 
+# As OWN_BATCHES, with 8 input features: a trial micro-batch of 8 is in its input's shape.
+OWN_BATCHES_OF_8_FEATURES = OWN_BATCHES.replace("16", "8")
+
+
+def test_a_prepare_trial_reports_where_its_micro_batch_was_in_the_input(tmp_path):
+    # The script ignores the trial's 8 and runs its own 2, which the first-forward check
+    # cannot see ((2, 8) holds an 8): the dimension found (1, where the profile trial would
+    # find its 2 in 0) is what lets the launcher refuse the trial rather than measure 2 as 8.
+    script = tmp_path / "own_batches.py"
+    script.write_text(OWN_BATCHES_OF_8_FEATURES)
+    runner = one_trial(tmp_path, [str(script)])
+    told_8 = runner.run(1, TrialSettings(micro_batch=8, accumulation=1), [], free_port())
+    assert told_8.outcome == OK, told_8.error
+    assert told_8.measurements is not None and told_8.measurements["batch_dimensions"] == [1]
+
+
 # Rank 1's script ends at once; rank 0 then fails, as in its next collective with rank 1.
 ENDS_EARLY = """
 import os, sys, time
@@ -149,6 +165,75 @@ def test_a_rank_whose_script_ended_early_is_named_as_the_cause_of_the_crash(tmp_
         "rank 1 exited with status 0 while the others trained (the script ended early there), "
         "so rank 0 failed in a collective"
     )
+
+
+# Rank 1 ends through sys.exit in its second step (no excepthook sees it); rank 0 then fails
+# in its all-reduce with it and reports that crash.
+RANK_1_EXITS = """
+import sys, torch, torch.distributed as dist
+from torch import nn
+import distune
+dist.init_process_group("gloo")
+model = nn.Linear(4, 1)
+run = distune.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2)
+for step in range(20):
+    if step == 1 and dist.get_rank() == 1:
+        sys.exit("rank 1: corrupt shard 00017.bin")
+    run.model(torch.randn(run.micro_batch_size, 4)).sum().backward()
+    run.optimizer.step()
+    run.optimizer.zero_grad()
+"""
+
+
+def test_the_crash_shown_is_the_rank_that_failed_first_not_its_peers_collective(tmp_path):
+    script = tmp_path / "rank_1_exits.py"
+    script.write_text(RANK_1_EXITS)
+    args, _ = parse(["--nproc_per_node", "2", str(script)])
+    run = TrialRunner(args, TRIAL_TIMEOUT, tmp_path / "trials").run(
+        0, TrialSettings(micro_batch=2, accumulation=1), [], free_port()
+    )
+    assert run.outcome == CRASH
+    assert run.error is not None
+    assert "Connection closed by peer" not in run.error  # rank 0's report: a symptom
+    assert run.error.startswith("rank 1 exited with status 1")
+    assert run.error.splitlines()[-1] == "rank 1: corrupt shard 00017.bin"
+
+
+# Starts a helper it would stop in its `finally`, which a measured rank's os._exit skips.
+STARTS_A_HELPER = """
+import subprocess, sys, torch, torch.distributed as dist
+from torch import nn
+import distune
+dist.init_process_group("gloo")
+helper = subprocess.Popen(["sleep", "120"])
+open(sys.argv[1], "w").write(str(helper.pid))
+try:
+    model = nn.Linear(4, 1)
+    run = distune.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2)
+    for _ in range(20):
+        run.model(torch.randn(run.micro_batch_size, 4)).sum().backward()
+        run.optimizer.step()
+        run.optimizer.zero_grad()
+finally:
+    helper.terminate()
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux's /proc")
+def test_what_a_measured_rank_left_running_ends_with_its_trial(tmp_path):
+    script = tmp_path / "starts_a_helper.py"
+    script.write_text(STARTS_A_HELPER)
+    pid_file = tmp_path / "helper.pid"
+    run = one_trial(tmp_path, [str(script)]).run(
+        0, TrialSettings(micro_batch=2, accumulation=1), [str(pid_file)], free_port()
+    )
+    helper = int(pid_file.read_text())
+    try:
+        assert run.outcome == OK, run.error
+        assert not running(helper)  # it used to run on, a child of init, for its 120 s
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(helper, signal.SIGKILL)
 
 
 # A launcher as the trial runner starts a trial, which then dies without stopping it.

@@ -33,7 +33,11 @@ MIB = 2**20
 
 
 def label(trial: TrialResult) -> str:
-    """The configuration, short: ``8x2``, ``8x2 c`` (checkpointing), ``8x2 bf16``."""
+    """The configuration, short: ``8x2``, ``8x2 c`` (checkpointing), ``8x2 bf16``; ``own``
+    for a failed profile, whose record holds 1 for the knobs nothing told
+    (:meth:`TrialResult.describe`)."""
+    if trial.purpose == "profile" and trial.outcome != OK:
+        return "own"
     config = trial.config
     text = f"{config.micro_batch}x{config.accumulation}"
     return text + (" c" if config.checkpointing else "") + (" bf16" if config.bf16 else "")

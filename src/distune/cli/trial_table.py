@@ -90,13 +90,15 @@ def format_trials(trials: dict[str, Any] | None) -> str | None:
     best = trials.get("best")
     for record in trials.get("trials") or []:
         config = record.get("config")
+        # A failed profile holds 1 for each knob nothing told, not the script's own.
+        unmeasured = record.get("purpose") == "profile" and record.get("outcome") != "ok"
         rate, spread = _throughput(record)
         rows.append(
             (
                 str(record.get("trial", "?")),
                 str(record.get("purpose", "?")),
                 _strategy(config) if isinstance(config, dict) else "?",
-                describe_config(config),
+                describe_config(None if unmeasured else config),
                 str(record.get("outcome", "?")),
                 rate,
                 spread,

@@ -23,6 +23,7 @@ import shlex
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from torch.distributed.run import parse_min_max_nnodes
 
 from distune.cut_line import parse_keeping_finished
 from distune.errors import ServiceError
+from distune.launcher.config_file import load_config
 from distune.launcher.options import AutotuneOptions, OptionError, flags, local_world_size
 from distune.launcher.trial_args import rewrite_script_args, script_batch
 from distune.launcher.trial_client import TrialClient, TrialRefusedError
@@ -66,8 +68,10 @@ DEFAULT_MAX_TRIALS = 20
 #: The purpose of trial 0: the script's own configuration, as it runs without distune.
 PROFILE = "profile"
 DEFAULT_TRIAL_TIMEOUT = 120.0
-#: The profile result's ``api`` of a script measured through its DistributedDataParallel.
+#: The profile result's ``api`` of a script measured through its DistributedDataParallel,
+#: and of one that calls distune.prepare.
 WRAPPER_API = "wrapper"
+PREPARE_API = "prepare"
 _TAKING_PART = (
     " (a script takes part in level 2 by calling distune.prepare, or by wrapping its model in "
     "distune.DistributedDataParallel with its batch flags named in the config's arg_mappings)"
@@ -151,15 +155,28 @@ def space_pins(pins: TrialPins, profile: TrialConfig, api: str | None) -> TrialP
 
 
 def batch_moved(profile: TrialResult, result: TrialResult, flag: str | None) -> str | None:
-    """Why the search must stop where a trial of a script measured through its wrapper found
-    its micro-batch in another dimension of the input than the profile read it from: the
-    profile, told no micro-batch (the script's mapped flag left to its default), read the
-    first dimension of a sequence-first input, and the global batch everything keeps is
-    wrong. None where they agree (or either does not say)."""
+    """Why the search must stop where a trial found its micro-batch in another dimension of
+    the script's first input than the profile did. A ``prepare`` script then builds its
+    batches from its own size, not ``run.micro_batch_size`` (the trial's size only happened
+    to be another dimension's, a feature width of 32): the trial ran another configuration
+    than the one it would be measured as. A script measured through its wrapper was profiled
+    told no micro-batch (its mapped flag left to its default), so the profile read the first
+    dimension of a sequence-first input, and the global batch everything keeps is wrong. None
+    where they agree (or either does not say)."""
     read = (profile.facts or {}).get("batch_dimensions")
     found = (result.facts or {}).get("batch_dimensions")
     if not read or not found or set(read) & set(found):
         return None
+    if (profile.facts or {}).get("api") == PREPARE_API:
+        return (
+            f"trial {result.trial}: distune.prepare set the micro-batch to "
+            f"{result.config.micro_batch}, which the script's first input holds only in "
+            f"dimension {found[0]}, but the profile trial's micro-batch "
+            f"({profile.config.micro_batch}) was in dimension {read[0]}: the script builds its "
+            "batches from its own size (a data loader made before prepare, say), not "
+            "run.micro_batch_size, so no trial runs the configuration it would be measured as; "
+            "build each micro-batch with run.micro_batch_size samples"
+        )
     return (
         f"trial {result.trial} found its micro-batch ({result.config.micro_batch}) in dimension "
         f"{found[0]} of the script's first input, but the profile trial read dimension {read[0]} "
@@ -263,6 +280,17 @@ def command_without_tuning(argv: list[str], args: argparse.Namespace, best: Path
     return ["distune-run", "--autotune_level", "0", "--autotune_config", str(best), *kept, *rest]
 
 
+def carried_settings(config: str | None) -> dict[str, Any]:
+    """The settings of the job's own ``--autotune_config`` that the winner's run keeps and
+    ``best_config.json`` must carry, since ``best_command.txt`` runs with that file instead:
+    every launcher setting but the tuning's own (``autotune_*``), such as a pinned
+    ``bucket_size`` or ``hierarchical_reduce``. The file was checked when the job started."""
+    if config is None:
+        return {}
+    kept = {dest for dest, _ in flags() if not dest.startswith(("autotune_", "is_output_"))}
+    return {key: value for key, value in load_config(Path(config)).items() if key in kept}
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now, on loopback (a trial's rendezvous)."""
     with socket.socket() as probe:
@@ -283,12 +311,19 @@ def check_results_dir(options: AutotuneOptions) -> None:
     path = options.autotune_results_dir
     if path is None or resumes_in_place(options):
         return
-    for held in ("trials.jsonl", JOB_FILE):
-        if (path / held).exists():
-            raise OptionError(
-                f"--autotune_results_dir {path} already holds {held} of a level-2 run; choose "
-                "another directory, or pass it as --autotune_resume to go on from it"
-            )
+    if (path / "trials.jsonl").exists():
+        raise OptionError(
+            f"--autotune_results_dir {path} already holds trials.jsonl of a level-2 run; choose "
+            "another directory, or pass it as --autotune_resume to go on from it"
+        )
+    if (path / JOB_FILE).exists():
+        # No trial recorded: nothing to resume (--autotune_resume wants a trials.jsonl).
+        raise OptionError(
+            f"--autotune_results_dir {path} already holds {JOB_FILE} of a level-2 run that "
+            "recorded no trial: it is running now, or was stopped before its first trial "
+            f"ended, with nothing to resume; choose another directory, or delete {path / JOB_FILE} "
+            "if no run uses it"
+        )
 
 
 def _results_dir(options: AutotuneOptions) -> Path:
@@ -484,6 +519,11 @@ class Level2:
         #: Nodes that reported the last trial (all of them until a trial ends).
         self.answering = set(range(self.nnodes))
         self.started = time.monotonic()
+        #: The search once the profile trial ran (a stop writes the summary of its trials).
+        self.search: TrialSearch | None = None
+        #: What was said of the whole search before it began (pins, knobs left out), which
+        #: summary.md lists first among its decisions.
+        self.notices: list[str] = []
 
     def _earlier_results(self) -> list[TrialResult]:
         if self.options.autotune_resume is None:
@@ -493,6 +533,11 @@ class Level2:
     def _say(self, text: str) -> None:
         if not self.options.autotune_quiet:
             print(f"distune: {text}", flush=True)
+
+    def _notice(self, text: str) -> None:
+        """Say ``text`` and keep it for summary.md: what the search leaves out, and why."""
+        self._say(text)
+        self.notices.append(text)
 
     def _reused(self, index: int, config: TrialConfig | None, purpose: str) -> TrialResult | None:
         for earlier in self.earlier:
@@ -504,12 +549,18 @@ class Level2:
         return None
 
     def _trial(
-        self, index: int, config: TrialConfig | None, purpose: str, predicted: int | None
+        self,
+        index: int,
+        config: TrialConfig | None,
+        purpose: str,
+        predicted: int | None,
+        refuse: Callable[[TrialResult], str | None] | None = None,
     ) -> TrialResult:
-        """Run (or, resuming, reuse) one trial on every node and record it."""
+        """Run (or, resuming, reuse) one trial on every node and record it; one that ran ok
+        but ``refuse`` says did not run its configuration is recorded as a crash saying so."""
         reused = self._reused(index, config, purpose)
         if reused is not None:
-            self._say(f"trial {index}: {reused.config.describe()}: {reused.outcome} (resumed)")
+            self._say(f"trial {index}: {reused.describe()}: {reused.outcome} (resumed)")
             self.client.record(index, reused.to_json())
             self.report.add(reused)
             return reused
@@ -555,6 +606,12 @@ class Level2:
             facts=measured or None,
             steps=run.steps,
         )
+        why = refuse(result) if refuse is not None and result.outcome == OK else None
+        if why is not None:  # never recorded as measuring what it did not run
+            result = replace(
+                result, outcome=CRASH, error=why, throughput=None, throughput_spread=None,
+                step_seconds=None,
+            )  # fmt: skip
         self.client.record(index, result.to_json())
         self.report.add(result)
         self._say(self.report.line(result))
@@ -621,6 +678,10 @@ class Level2:
         except BaseException as error:
             # Every node stops with this one: a signal's name, or what went wrong here.
             reason = error.sigval.name if isinstance(error, SignalException) else str(error)
+            with contextlib.suppress(OSError):  # the trials recorded so far, said to be so
+                decisions = [*self.notices, *(self.search.decisions if self.search else [])]
+                seconds = time.monotonic() - self.started
+                self.report.finish(self.search, decisions, seconds, stopped=reason)
             with contextlib.suppress(ServiceError, TrialRefusedError):
                 self.client.stop(self.node.node_rank, reason[:200] or type(error).__name__)
                 self._wait_acknowledged(STOP_ACK_WAIT)
@@ -653,11 +714,11 @@ class Level2:
         where = f" on {self.nnodes} nodes" if self.nnodes > 1 else ""
         self._say(f"level 2 results in {self.results_dir}; trials{where}")
         if self.pins.pinned():
-            self._say(f"pinned (never changed): {self.pins.pinned()}")
+            self._notice(f"pinned (never changed): {self.pins.pinned()}")
         profile = self._trial(0, None, PROFILE, None)
         if profile.outcome != OK:
-            self._say(profile_failed(profile))
-            self.report.finish(None, [], time.monotonic() - self.started)
+            self._notice(profile_failed(profile))
+            self.report.finish(None, list(self.notices), time.monotonic() - self.started)
             return None
         assert profile.facts is not None
         try:
@@ -672,9 +733,9 @@ class Level2:
             raise OptionError(f"--autotune_level 2: {error}") from None
         untried = space.untried_for_want_of_blocks()
         if untried:
-            self._say(no_blocks_notice(untried))
+            self._notice(no_blocks_notice(untried))
         if profile.facts.get("api") == WRAPPER_API:
-            self._say(
+            self._notice(
                 "the script is measured through distune.DistributedDataParallel (it never calls "
                 "distune.prepare): micro-batch x accumulation through arg_mappings, on DDP "
                 "without checkpointing"
@@ -688,13 +749,14 @@ class Level2:
             self.metric,
         )
         search.record(profile)
+        self.search = search
         seen = 0
         while not only_one and (proposal := search.next_trial()) is not None:
             self._run_proposal(search, proposal)
             for decision in search.decisions[seen:]:
                 self._say(decision)
             seen = len(search.decisions)
-        decisions = list(search.decisions)
+        decisions = [*self.notices, *search.decisions]
         if only_one:
             # A script measured through its wrapper with its mapped knobs pinned: the profile
             # ran the only configuration there is, and measuring it again chooses nothing.
@@ -711,10 +773,15 @@ class Level2:
         return search
 
     def _run_proposal(self, search: TrialSearch, proposal: Proposal) -> None:
+        profile, flag = search.results[0], self.pins.flag_for(MICRO_BATCH)
         result = self._trial(
-            len(search.results), proposal.config, proposal.purpose, proposal.predicted_memory_bytes
+            len(search.results),
+            proposal.config,
+            proposal.purpose,
+            proposal.predicted_memory_bytes,
+            refuse=lambda ran: batch_moved(profile, ran, flag),
         )
-        moved = batch_moved(search.results[0], result, self.pins.flag_for(MICRO_BATCH))
+        moved = batch_moved(profile, result, flag)
         if moved is not None:
             raise OptionError(f"--autotune_level 2: {moved}")
         change = search.space.batch_change(proposal.config)
@@ -746,9 +813,10 @@ class Level2:
 
     def _write_best(self, best: TrialConfig, mapped: bool) -> Path:
         """Write best_config.json (with the config's arg_mappings where ``mapped``: the winner
-        runs with its knobs set through them) and best_command.txt; the former's path."""
+        runs with its knobs set through them, and the job's own other settings) and
+        best_command.txt; the former's path."""
         best_file = self.results_dir / "best_config.json"
-        config = best.to_config(self.world_size)
+        config = {**carried_settings(self.args.autotune_config), **best.to_config(self.world_size)}
         if self.pins.arg_mappings and mapped:
             config["arg_mappings"] = dict(self.pins.arg_mappings)
         best_file.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

@@ -30,7 +30,8 @@ def flag_value(script_args: list[str], flag: str) -> str | None:
     """The value the script's parser sees for ``flag`` (its last ``--flag V`` or
     ``--flag=V``), or None where the arguments do not give it."""
     value = None
-    for arg, following in zip(script_args, [*script_args[1:], None], strict=True):
+    # Each argument with the one after it (None after the last; no arguments, no pairs).
+    for arg, following in zip(script_args, [*script_args[1:], None], strict=False):
         if arg == flag and following is not None:
             value = following
         elif arg.startswith(f"{flag}="):
@@ -64,18 +65,37 @@ def unmapped_args(script_args: list[str], pins: TrialPins) -> list[str]:
     return script_args
 
 
+def with_flag(script_args: list[str], flag: str, value: str) -> list[str]:
+    """The script's arguments with ``flag`` set to ``value``: its last occurrence (``--flag V``
+    or ``--flag=V``) takes the value where it stands and the earlier ones are removed, so the
+    script's parser reads it where the user put it (a flag of the main parser before a
+    subcommand, ``train.py --bs 4 fit``, stays there); a flag the arguments do not give is
+    appended."""
+    kept: list[str] = []
+    at: int | None = None  # where the last occurrence stands in ``kept``
+    skip = False
+    for arg in script_args:
+        if skip:
+            skip = False
+        elif arg == flag or arg.startswith(f"{flag}="):
+            skip = arg == flag
+            at = len(kept)
+        else:
+            kept.append(arg)
+    if at is None:
+        return [*kept, flag, value]
+    return [*kept[:at], flag, value, *kept[at:]]
+
+
 def rewrite_script_args(
     script_args: list[str], pins: TrialPins, micro_batch: int | None, accumulation: int | None
 ) -> list[str]:
-    """The script's arguments with the mapped flags set to the configuration's values.
-
-    Every earlier occurrence of a mapped flag (``--flag V`` or ``--flag=V``) is removed, and the
-    flag is appended with the new value, so the script's own parser sees it last.
-    """
+    """The script's arguments with the mapped flags set to the configuration's values
+    (:func:`with_flag`: in place where the arguments give them, else appended)."""
     values = {MICRO_BATCH: micro_batch, ACCUMULATION: accumulation}
     rewritten = list(script_args)
     for key, flag in pins.arg_mappings:
         value = values.get(key)
         if value is not None:
-            rewritten = [*without_flag(rewritten, flag), flag, str(value)]
+            rewritten = with_flag(rewritten, flag, str(value))
     return rewritten

@@ -43,7 +43,7 @@ class TrialReport:
         if result.outcome != OK:
             why = (result.error or "").strip().splitlines()
             return (
-                f"trial {result.trial}: {result.config.describe()}: {result.outcome}"
+                f"trial {result.trial}: {result.describe()}: {result.outcome}"
                 f"{f' ({why[-1][:160]})' if why else ''} after {result.duration:.1f} s"
             )
         peak = result.peak_memory_bytes or 0
@@ -51,7 +51,7 @@ class TrialReport:
         predicted_text = f" (predicted {predicted / MiB:.1f})" if predicted else ""
         spread = result.throughput_spread or 0.0
         return (
-            f"trial {result.trial}: {result.config.describe()}: ok, {self._value(result)} "
+            f"trial {result.trial}: {result.describe()}: ok, {self._value(result)} "
             f"(spread {spread:.1%}), peak {peak / MiB:.1f} MiB{predicted_text}, "
             f"{result.duration:.1f} s"
         )
@@ -66,12 +66,31 @@ class TrialReport:
         ]
         (self.directory / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
-    def finish(self, search: TrialSearch | None, decisions: list[str], seconds: float) -> None:
-        """Write ``summary.md``."""
+    def finish(
+        self,
+        search: TrialSearch | None,
+        decisions: list[str],
+        seconds: float,
+        stopped: str | None = None,
+    ) -> None:
+        """Write ``summary.md``; ``stopped`` says why the run ended before its search did (a
+        signal, an error): the summary then holds the trials recorded so far, and says so."""
         lines = ["# distune level 2", ""]
         profile = next((r for r in self.results if r.purpose == "profile"), None)
         best = search.best() if search is not None else None
         unit = "samples/s" if self.metric == THROUGHPUT else "s/step"
+        if stopped is not None:
+            then = (
+                f"the best below is the best so far, and `--autotune_resume {self.directory}` "
+                "reuses these trials for the same job"
+                if self.results
+                else "no trial was recorded"
+            )
+            lines += [
+                f"**Stopped** ({stopped}) after {len(self.results)} recorded trial(s), before "
+                f"the search ended: nothing was chosen; {then}.",
+                "",
+            ]
         lines += [
             f"Metric: {self.metric} ({'maximised' if self.metric == THROUGHPUT else 'minimised'})."
             f" Trials: {len(self.results)}, {seconds:.0f} s in all.",
@@ -86,15 +105,16 @@ class TrialReport:
             good = [r for r in tried if r.outcome == OK]
             top = max(good, key=lambda r: r.value(self.metric)) if good else None
             value = self._value(top).split()[0] if top else "-"
-            lines.append(
-                f"| {name} | {len(tried)} | {len(good)} | {value} | "
-                f"{top.trial if top else '-'}: {top.config.describe() if top else ''} |"
-            )
+            best_trial = f"{top.trial}: {top.config.describe()}" if top else "-"
+            lines.append(f"| {name} | {len(tried)} | {len(good)} | {value} | {best_trial} |")
         lines.append("")
         if best is not None and search is not None and profile is not None:
             mean = sum(search.scores(best)) / len(search.scores(best))
             shown = mean if self.metric == THROUGHPUT else -mean
-            lines.append(f"**Best:** {best.describe()}: {shown:.3f} {unit} (mean of its trials).")
+            title = "Best so far" if stopped is not None else "Best"
+            lines.append(
+                f"**{title}:** {best.describe()}: {shown:.3f} {unit} (mean of its trials)."
+            )
             if profile.outcome == OK:
                 base = profile.value(self.metric)
                 gain = mean / base if self.metric == THROUGHPUT else base / mean
@@ -115,7 +135,7 @@ class TrialReport:
             peak = f"{r.peak_memory_bytes / MiB:.1f}" if r.peak_memory_bytes else "-"
             predicted = f"{r.predicted_memory_bytes / MiB:.1f}" if r.predicted_memory_bytes else "-"
             lines.append(
-                f"| {r.trial} | {r.purpose} | {r.config.describe()} | {r.outcome} | {value} | "
+                f"| {r.trial} | {r.purpose} | {r.describe()} | {r.outcome} | {value} | "
                 f"{peak} | {predicted} | {r.duration:.1f} |"
             )
         failed = [r for r in self.results if r.outcome != OK and r.error]

@@ -110,7 +110,12 @@ def classify(
         return OOM, f"a rank was killed (exit {exit_code}), as the kernel's OOM killer does"
     crashes = [r for r in rank_reports if r.get("outcome") == CRASH]
     if crashes:
-        return CRASH, crashes[0].get("error")
+        # The first rank to fail is the cause: the others failed in a collective with it
+        # ("Connection closed by peer"). A report without a time sorts last.
+        first = min(
+            crashes, key=lambda r: r["time"] if isinstance(r.get("time"), float) else math.inf
+        )
+        return CRASH, first.get("error")
     if exit_code == 0 and result is not None and result.get("outcome") == OK:
         return OK, None
     all_ok = bool(rank_reports) and all(r.get("outcome") == OK for r in rank_reports)
@@ -190,6 +195,19 @@ def _belongs(pid: int, trial_dir: Path) -> bool:
         return False
 
 
+def left_running(trial_dir: Path) -> set[int]:
+    """The processes still carrying this trial's ``DISTUNE_TRIAL_DIR`` (found in /proc; empty
+    where absent) once its ranks ended: what a rank started and left behind (a helper server
+    the script stops in a ``finally``, DataLoader workers), since a measured rank ends at once
+    with ``os._exit``, and neither its ``finally`` blocks nor its atexit handlers run."""
+    found: set[int] = set()
+    with contextlib.suppress(OSError):
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and _belongs(int(entry.name), trial_dir):
+                found.add(int(entry.name))
+    return found
+
+
 def read_log_tail(path: Path) -> str:
     """The last lines of a log (empty where it cannot be read)."""
     with contextlib.suppress(OSError):
@@ -198,21 +216,40 @@ def read_log_tail(path: Path) -> str:
     return ""
 
 
+def first_failure_stderr(trial_dir: Path) -> str | None:
+    """The first failed rank's own stderr tail, with its rank and exit status (None where the
+    trial job recorded no failure, or the rank wrote nothing to stderr)."""
+    failure = read_json_object(trial_dir / FAILURE_FILE)
+    if failure is None:
+        return None
+    local_rank = failure.get("local_rank")
+    for stderr in trial_dir.glob(f"{RANK_LOGS}/*/attempt_0/{local_rank}/stderr.log"):
+        tail = read_log_tail(stderr)
+        if tail:
+            return (
+                f"rank {failure.get('rank')} exited with status {failure.get('exit_code')}; "
+                f"its stderr ends:\n{tail}"
+            )
+    return None
+
+
 def failure_tail(trial_dir: Path) -> str:
     """What a crash's error carries where no rank reported why (it failed before distune could
     see it: at import, in its argument parser): the first failed rank's own stderr tail, so the
     user sees its traceback without opening the log; else the tail of the trial's log."""
+    return first_failure_stderr(trial_dir) or read_log_tail(trial_dir / LOG_FILE)
+
+
+def unreported_first_failure(trial_dir: Path, reports: list[dict[str, Any]]) -> str | None:
+    """Where the first rank to fail wrote no report of its own while others did (it ended
+    through ``sys.exit`` or a signal, which no excepthook sees, and its peers then crashed in
+    their collectives with it): its own stderr tail, the cause; else None. torch's agent
+    records the failures it finds first before the ranks it stops, so a stopped rank is never
+    the first."""
     failure = read_json_object(trial_dir / FAILURE_FILE)
-    if failure is not None:
-        local_rank = failure.get("local_rank")
-        for stderr in trial_dir.glob(f"{RANK_LOGS}/*/attempt_0/{local_rank}/stderr.log"):
-            tail = read_log_tail(stderr)
-            if tail:
-                return (
-                    f"rank {failure.get('rank')} exited with status {failure.get('exit_code')}; "
-                    f"its stderr ends:\n{tail}"
-                )
-    return read_log_tail(trial_dir / LOG_FILE)
+    if failure is None or any(r.get("rank") == failure.get("rank") for r in reports):
+        return None
+    return first_failure_stderr(trial_dir)
 
 
 def ended_early(trial_dir: Path) -> str | None:
@@ -311,12 +348,15 @@ class TrialRunner:
             finally:
                 if process.poll() is None:
                     self._stop(process, trial_dir)
+                self._end_left_running(trial_dir)
         exit_code = process.returncode
         reports = [r for p in sorted(trial_dir.glob("rank*.json")) if (r := read_json_object(p))]
         result = read_json_object(trial_dir / RESULT_FILE)
         outcome, error = classify(
             exit_code, timed_out, reports, result, failure_tail(trial_dir), self.node_rank == 0
         )
+        if outcome == CRASH and (first := unreported_first_failure(trial_dir, reports)):
+            error = first
         if outcome == CRASH and (early := ended_early(trial_dir)) is not None:
             error = f"{error}\n{early}" if error else early
         steps = finished_steps(trial_dir / PROGRESS_FILE)
@@ -375,6 +415,19 @@ class TrialRunner:
                     return False, reason
             time.sleep(_POLL)
         return False, None
+
+    def _end_left_running(self, trial_dir: Path) -> None:
+        """Stop what the trial's ranks left running (:func:`left_running`), gently first."""
+        pids = left_running(trial_dir)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + _STOP_GRACE
+        while time.monotonic() < deadline and any(_belongs(p, trial_dir) for p in pids):
+            time.sleep(_POLL / 4)
+        for pid in left_running(trial_dir):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
 
     def _stop(self, process: subprocess.Popen, trial_dir: Path) -> None:
         """Stop the trial's agent and ranks by their ids, gently first."""

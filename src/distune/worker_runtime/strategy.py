@@ -124,6 +124,21 @@ def _refuse_a_scheduler(optimizer: torch.optim.Optimizer, stage: int) -> None:
         )
 
 
+def _refuse_the_replaced_optimizer(
+    _optimizer: Any, _args: Any, _kwargs: Any, *, stage: int
+) -> None:
+    """A step pre-hook on the optimizer handed to ``prepare`` where a stage replaced it
+    (ZeRO-1 to 3): a script that goes on stepping its own optimizer, a DDP habit, would not
+    train the model the stage shards (under FSDP its parameters no longer hold the gradients)
+    and no step of it would be measured."""
+    raise StrategyError(
+        "distune.prepare: call run.optimizer.step(), not the step of the optimizer handed to "
+        f"prepare: under ZeRO stage {stage} run.optimizer replaces it, and stepping the old one "
+        "would not train the sharded model (zero the gradients and build schedulers and "
+        "gradient scalers on run.optimizer too)"
+    )
+
+
 def _constructor_options(optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer's defaults that its constructor takes (some, like AdamW's
     ``decoupled_weight_decay``, are set by the class itself)."""
@@ -185,6 +200,9 @@ def apply(
     groups = _groups_by_name(model, optimizer)
     if stage > 0:
         _refuse_a_scheduler(optimizer, stage)
+        optimizer.register_step_pre_hook(
+            functools.partial(_refuse_the_replaced_optimizer, stage=stage)
+        )
     if checkpointing:
         apply_activation_checkpointing(
             model,

@@ -133,8 +133,11 @@ def writes_progress(rank: int, environ: Mapping[str, str]) -> bool:
 
 def write_rank_outcome(trial_dir: Path, rank: int, outcome: str, **details: Any) -> None:
     """Write how this rank's part of the trial ended (``ok``, ``oom``, ``crash``) where the
-    launcher collects every rank's, with ``details`` (the error, the peak memory)."""
-    write_json(trial_dir / f"rank{rank}.json", {"rank": rank, "outcome": outcome, **details})
+    launcher collects every rank's, with ``details`` (the error, the peak memory) and when
+    (``time``, seconds since the epoch): of several crashed ranks the first to fail is the
+    cause, its peers failed after it in their collectives."""
+    report = {"rank": rank, "outcome": outcome, **details, "time": time.time()}
+    write_json(trial_dir / f"rank{rank}.json", report)
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -199,6 +202,9 @@ class TrialMeasurement:
         self._checkpointed_bytes = 0
         #: Whether the first training forward is checked against the micro-batch (prepare's).
         self._check_micro_batch = True
+        #: The dimensions of the first training forward's first input tensor that hold the
+        #: micro-batch: the launcher compares a trial's with the profile's (``batch_moved``).
+        self.batch_dimensions: list[int] = []
         #: The accumulation steps ``prepare`` set; each step's micro-steps are checked against it.
         self.accumulation = accumulation
         #: Training forwards of the model in this optimizer step.
@@ -279,6 +285,8 @@ class TrialMeasurement:
         ``prepare`` returned, would be measured as a configuration it never ran."""
         self._check_micro_batch = False  # once: the first forward says how batches are built
         first = _first_batched_tensor(inputs)
+        if first is not None:
+            self.batch_dimensions = [i for i, n in enumerate(first.shape) if n == self.micro_batch]
         if first is not None and self.micro_batch not in first.shape:
             raise TrialStepError(
                 f"distune trial: distune.prepare set the micro-batch to {self.micro_batch}, but "
@@ -388,6 +396,7 @@ class TrialMeasurement:
                 "peak_memory_bytes": int(peak),
                 "activation_bytes_per_sample": int(activation / self.micro_batch),
                 "checkpointed_activation_bytes_per_sample": int(checkpointed / self.micro_batch),
+                "batch_dimensions": self.batch_dimensions,
                 **self._description(),
             }
             write_json(self.trial_dir / RESULT_FILE, result)
@@ -472,7 +481,6 @@ class WrapperMeasurement(TrialMeasurement):
         self._params = params
         #: What the first training forward's batch size may be (``_batch_sizes``).
         self._forward_sizes: tuple[int, ...] | None = None
-        self.batch_dimensions: list[int] = []
         self.accumulation = 0
 
     def attach_wrapper(self, wrapper: nn.Module, reducer: Reducer) -> None:

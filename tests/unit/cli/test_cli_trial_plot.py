@@ -122,3 +122,13 @@ def test_a_trials_file_whose_last_record_was_cut_short_plots_the_finished_trials
     cut.write_text(text + text.splitlines()[0][:30])  # a trial's record being written
     assert len(read_trials(cut)) == 7
     assert f"{cut}: its last line is cut short" in capsys.readouterr().err
+
+
+def test_a_failed_profile_is_labelled_the_scripts_own_not_one_by_one() -> None:
+    from distune.cli.trial_plot import label
+    from distune.tuning_service.trials.trial_config import TrialConfig
+    from distune.tuning_service.trials.trial_result import TrialResult
+
+    failed = TrialResult(0, TrialConfig(1, 1, 0, False), 2, "crash", "profile")
+    assert label(failed) == "own"
+    assert label(TrialResult(1, TrialConfig(8, 2, 0, True), 2, "oom", "search")) == "8x2 c"

@@ -3,7 +3,9 @@ mapped flags, the command that runs the winner with tuning off, and the level-2 
 
 from __future__ import annotations
 
+import argparse
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -60,6 +62,15 @@ def test_a_crash_carries_the_failing_ranks_traceback_tail() -> None:
     assert error == "ValueError: bad"
 
 
+def test_of_several_crashed_ranks_the_first_to_fail_is_the_cause() -> None:
+    # Rank 1 raised; rank 0 then failed in its all-reduce with it, and sorts first by name.
+    peer = {"rank": 0, "outcome": "crash", "error": "RuntimeError: Connection closed by peer"}
+    cause = {"rank": 1, "outcome": "crash", "error": "KeyError: 'foo'", "time": 100.0}
+    assert classify(1, False, [{**peer, "time": 100.8}, cause], None, "")[1] == "KeyError: 'foo'"
+    # A report without a time (an older rank's) never hides one with it.
+    assert classify(1, False, [peer, cause], None, "")[1] == "KeyError: 'foo'"
+
+
 def test_a_timed_out_trial_says_how_far_it_got_and_names_the_flag() -> None:
     flag = "; --autotune_trial_timeout gives steps more time"
     assert stalled(3, 120.0).startswith("no step finished for 120 s after step 3: ")
@@ -111,16 +122,34 @@ def test_mapped_flags_are_rewritten_in_both_spellings() -> None:
     )
     args = ["--bs", "4", "--lr", "0.1", "--accum=2", "--steps", "10"]
     assert rewrite_script_args(args, pins, 8, 1) == [
-        "--lr",
-        "0.1",
-        "--steps",
-        "10",
-        "--accum",
-        "1",
-        "--bs",
-        "8",
-    ]
+        "--bs", "8", "--lr", "0.1", "--accum", "1", "--steps", "10",
+    ]  # fmt: skip
     assert rewrite_script_args(args, TrialPins(), 8, 1) == args  # unmapped: left alone
+    # Given twice, the last occurrence takes the value and the earlier one goes; a flag the
+    # arguments do not give is appended.
+    assert rewrite_script_args(["--bs", "2", "--lr", "1", "--bs=4"], pins, 8, 1) == [
+        "--lr", "1", "--bs", "8", "--accum", "1",
+    ]  # fmt: skip
+
+
+def test_mapped_flags_keep_their_place_before_a_subcommand() -> None:
+    # `train.py --bs 4 --accum 2 fit`: the main parser's flags must stay before the
+    # subcommand, whose own parser refuses them (`unrecognized arguments: --accum 2 --bs 4`,
+    # which ended the profile trial, and so the tuning, when they were moved to the end).
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bs", type=int)
+    parser.add_argument("--accum", type=int)
+    parser.add_subparsers(dest="command").add_parser("fit").add_argument("--steps", type=int)
+    pins = TrialPins(
+        arg_mappings=(
+            ("gradient_accumulation_steps", "--accum"),
+            ("train_micro_batch_size_per_gpu", "--bs"),
+        )
+    )
+    own = ["--bs", "4", "--accum", "2", "fit", "--steps", "9"]
+    assert rewrite_script_args(own, pins, 4, 2) == own  # the profile runs them as given
+    parsed = parser.parse_args(rewrite_script_args(own, pins, 8, 1))
+    assert (parsed.bs, parsed.accum, parsed.command, parsed.steps) == (8, 1, "fit", 9)
 
 
 def test_the_profile_is_told_the_batch_the_scripts_own_mapped_flags_give() -> None:
@@ -141,6 +170,14 @@ def test_the_profile_is_told_the_batch_the_scripts_own_mapped_flags_give() -> No
         script_batch(["--steps", "3", "--bs"], TrialPins(arg_mappings=mapped)).micro_batch is None
     )
     assert script_batch(["--bs", "4"], TrialPins()) == TrialPins()  # unmapped: nothing told
+
+
+def test_a_script_given_no_arguments_is_profiled_with_its_own_defaults() -> None:
+    # `distune-run ... train.py` with arg_mappings in the config: the launcher used to fail
+    # with a ValueError from zip() before the profile trial started.
+    pins = TrialPins(arg_mappings=(("train_micro_batch_size_per_gpu", "--bs"),))
+    assert script_batch([], pins) == pins
+    assert rewrite_script_args([], pins, 8, 1) == ["--bs", "8"]
 
 
 def test_the_best_command_keeps_torchrun_flags_and_turns_tuning_off() -> None:
@@ -171,6 +208,32 @@ def test_the_best_command_keeps_torchrun_flags_and_turns_tuning_off() -> None:
         "--autotune_level",
         "7",
     ]
+
+
+def test_the_best_config_keeps_the_jobs_own_settings_from_its_config_file(tmp_path) -> None:
+    from distune.launcher.level2 import Level2
+    from distune.launcher.trial_client import TrialClient
+
+    # A pinned bucket size in the config file: the run after the trials uses it, and so must
+    # best_command.txt, which replaces that file with best_config.json (it used to drop it).
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        "bucket_size: 1048576\nhierarchical_reduce: false\nautotune_max_trials: 5\n"
+        "train_micro_batch_size_per_gpu: 4\ngradient_accumulation_steps: 2\n"
+        "zero_optimization: {stage: 1}\nactivation_checkpointing: false\n"
+    )
+    argv = ["--nproc_per_node", "2", "--autotune_level", "2", "--autotune_results_dir",
+            str(tmp_path / "results"), "--autotune_config", str(config), "t.py"]  # fmt: skip
+    args, options = parse(argv)
+    level2 = Level2(args, options, trial_pins(args), argv, TrialClient("http://127.0.0.1:9"))
+    level2.untuned(TrialConfig(4, 2, 1, False))
+    best = tmp_path / "results" / "best_config.json"
+    written = json.loads(best.read_text())
+    assert (written["bucket_size"], written["hierarchical_reduce"]) == (1048576, False)
+    assert "autotune_max_trials" not in written  # the tuning's own settings stay behind
+    again, options = parse(shlex.split((best.parent / "best_command.txt").read_text())[1:])
+    assert (options.bucket_size, options.hierarchical_reduce) == (1048576, False)
+    assert trial_pins(again).stage == 1
 
 
 @pytest.mark.parametrize(
@@ -320,7 +383,7 @@ def test_the_arg_mappings_example_config_is_valid() -> None:
     pins = trial_pins(args)
     assert pins.global_batch is None  # the script's own global batch is kept
     assert rewrite_script_args(["--batch-size", "2"], pins, 8, 2) == [
-        "--grad-accum", "2", "--batch-size", "8",
+        "--batch-size", "8", "--grad-accum", "2",
     ]  # fmt: skip
 
 
@@ -401,8 +464,15 @@ def test_a_used_results_dir_is_refused_before_anything_starts_unless_resumed_in_
     running.mkdir()
     (running / "job.json").write_text("{}")
     _, options = parse([*argv[:-1], str(running), "t.py"])
-    with pytest.raises(OptionError, match=r"already holds job\.json of a level-2 run"):
+    with pytest.raises(OptionError, match=r"already holds job\.json of a level-2 run") as refused:
         check_results_dir(options)
+    # Nor told to resume it (a run stopped during its profile trial): with no trials.jsonl,
+    # --autotune_resume refuses it; what to do instead is named.
+    assert "--autotune_resume" not in str(refused.value)
+    assert str(refused.value).endswith(f"delete {running / 'job.json'} if no run uses it")
+    with pytest.raises(SystemExit):
+        parse([*argv[:-1], str(running), "--autotune_resume", str(running), "t.py"])
+    assert "holds no trials.jsonl" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
@@ -601,3 +671,25 @@ def test_a_trial_finding_the_batch_in_another_dimension_than_the_profile_stops_t
     assert batch_moved(profile, ran(2, 35, [0, 1]), "--batch_size") is None  # (35, 35): agrees
     assert batch_moved(ran(0, 20, [1]), ran(1, 10, [1]), "--batch_size") is None  # told: agrees
     assert batch_moved(_ran(0, TrialConfig(2, 4, 0, False), "ok", "profile"), profile, None) is None
+
+
+def test_a_prepare_trial_holding_its_micro_batch_elsewhere_than_the_profile_is_refused() -> None:
+    from distune.launcher.level2 import batch_moved
+
+    def ran(trial: int, micro: int, dimensions: list[int]) -> TrialResult:
+        facts = {"api": "prepare", "batch_dimensions": dimensions}
+        return TrialResult(
+            trial, TrialConfig(micro, 1, 0, False), 2, "ok", "search", throughput=1.0,
+            step_seconds=1.0, facts=facts,
+        )  # fmt: skip
+
+    # Its own 4 samples of 32 features, (4, 32), in the profile and in a trial set to 32: the
+    # trial would be measured as 32 samples a forward (8 x the throughput, and chosen).
+    moved = batch_moved(ran(0, 4, [0]), ran(1, 32, [1]), None)
+    assert moved is not None and moved.startswith(
+        "trial 1: distune.prepare set the micro-batch to 32, which the script's first input "
+        "holds only in dimension 1, but the profile trial's micro-batch (4) was in dimension 0"
+    )
+    assert moved.endswith("build each micro-batch with run.micro_batch_size samples")
+    assert batch_moved(ran(0, 4, [0]), ran(1, 32, [0, 1]), None) is None  # (32, 32): built so
+    assert batch_moved(ran(0, 4, [1]), ran(1, 8, [1]), None) is None  # sequence-first, (35, 8)

@@ -66,3 +66,41 @@ def test_latency_summary_reports_seconds_a_step_and_the_speed_up(tmp_path: Path)
     assert "latency (minimised)" in summary
     assert "**Best:** zero1, micro-batch 4 x 1: 0.400 s/step" in summary
     assert "gain 2.00x" in summary
+
+
+def test_a_run_stopped_before_its_search_ended_says_so_in_its_summary(tmp_path: Path) -> None:
+    space = TrialSpace(TrialPins(), 2, PROFILE)
+    search = TrialSearch(
+        space, MemoryModel(ModelFacts(10, 10, 20, 1, 5, PROFILE, 100, 2)), None, 10
+    )
+    writer = TrialReport(tmp_path, THROUGHPUT)
+    for result in results()[:2]:
+        search.record(result)
+        writer.add(result)
+    writer.finish(search, search.decisions, 12.0, stopped="SIGINT")
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.startswith(
+        "# distune level 2\n\n**Stopped** (SIGINT) after 2 recorded trial(s), before the search "
+        "ended: nothing was chosen; the best below is the best so far, and "
+        f"`--autotune_resume {tmp_path}` reuses these trials for the same job."
+    )
+    assert "**Best so far:** zero1, micro-batch 4 x 1" in summary
+    assert "| 1 | search | zero1, micro-batch 4 x 1 | ok |" in summary
+
+
+def test_a_failed_profile_is_not_described_by_knobs_it_never_learned(tmp_path: Path) -> None:
+    # The script ran its own batch (say 32), which nothing told distune: the record holds 1.
+    failed = TrialResult(
+        0, TrialConfig(1, 1, 0, False), 2, "oom", "profile", error="CUDA out of memory"
+    )
+    writer = TrialReport(tmp_path, THROUGHPUT)
+    writer.add(failed)
+    assert writer.line(failed) == (
+        "trial 0: the script's own configuration (not measured): oom (CUDA out of memory) "
+        "after 0.0 s"
+    )
+    writer.finish(None, [], 1.0)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| ddp | 1 | 0 | - | - |" in summary
+    assert "| 0 | profile | the script's own configuration (not measured) | oom |" in summary
+    assert "micro-batch 1 x 1" not in summary

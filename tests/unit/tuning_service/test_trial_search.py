@@ -580,6 +580,26 @@ def test_the_best_two_are_measured_again_within_the_budget() -> None:
     assert {c for c, _ in search.ranking()[:2]} <= {r.config for r in ran}
 
 
+def test_the_only_configuration_that_ran_ok_is_not_measured_again() -> None:
+    # Every trial after the profile fails (a script that runs out of memory above its own
+    # micro-batch, whatever the cap says): re-measuring the profile could choose nothing else,
+    # so the budget goes to search trials, and the search then ends without a re-measure.
+    cap = 1000 * MiB
+    for budget in (3, 30):
+        search = new_search(cap, max_trials=budget)
+        scripted(search, BASELINE, speed(BASELINE), purpose="profile")
+        ran = run_search(search, cap, peak_of=lambda c: true_peak(c) + (c != BASELINE) * cap)
+        assert ran and all(r.purpose == "search" and r.outcome == OOM for r in ran)
+        # A budget of 3: two search trials (before, one and a re-measure of the profile); of 30:
+        # the search runs out of trials to try first.
+        assert len(ran) == 2 if budget == 3 else len(ran) < budget - 1
+        assert search.best() == BASELINE
+    assert search.decisions[-1] == (
+        "ddp, micro-batch 2 x 8: the only configuration that ran ok; not measured again (a "
+        "re-measure could choose nothing else)"
+    )
+
+
 def test_latency_is_minimised() -> None:
     # Throughput and step time disagree only when the global batch changes.
     search = new_search(None, max_trials=12, metric=LATENCY, allow_batch_change=True)

@@ -195,6 +195,29 @@ def test_a_scheduler_built_before_prepare_is_refused_where_the_optimizer_is_rebu
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("stage", ["0", "1", "2"])
+def test_stepping_the_optimizer_a_stage_replaced_raises_naming_run_optimizer(stage, monkeypatch):
+    # A DDP habit: forwards through run.model, steps through the script's own optimizer. Under
+    # ZeRO-1 to 3 that one is replaced: no step was measured (a trial said "invalid: does it
+    # call distune.prepare?") and, under FSDP, the sharded model never trained.
+    monkeypatch.setenv("DISTUNE_ZERO_STAGE", stage)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        run = distune.prepare(model, optimizer, micro_batch_size=2)
+        run.model(torch.randn(2, 4)).sum().backward()
+        if stage == "0":  # nothing replaced: the script's own optimizer is run.optimizer
+            assert run.optimizer is optimizer
+            optimizer.step()
+        else:
+            with pytest.raises(StrategyError, match=r"call run\.optimizer\.step\(\)"):
+                optimizer.step()
+            run.optimizer.step()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_under_fsdp_the_ddp_idioms_through_model_module_raise_naming_run_model(monkeypatch):
     # With 2 ranks run.model.module's state_dict() held each rank's flattened shards (an
     # 'inp.weight' of shape (81,) for (16, 8)): torch.save of it, DDP's rank-0 idiom, saved

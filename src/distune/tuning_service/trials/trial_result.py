@@ -52,6 +52,15 @@ class TrialResult:
         if self.outcome == OK and (self.throughput is None or self.step_seconds is None):
             raise ValueError("an ok trial carries its throughput and step time")
 
+    def describe(self) -> str:
+        """The configuration as progress lines and summaries say it. A profile trial that
+        failed ran the script's own configuration, whose knobs distune learns only from
+        measured steps: its record holds 1 for each knob no pin or mapped flag told, so it is
+        not described by them."""
+        if self.purpose == "profile" and self.outcome != OK:
+            return "the script's own configuration (not measured)"
+        return self.config.describe()
+
     def value(self, metric: str) -> float:
         """The metric as a number to maximise (latency is negated); only for ok trials."""
         assert self.throughput is not None and self.step_seconds is not None

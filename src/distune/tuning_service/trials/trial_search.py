@@ -302,8 +302,9 @@ class TrialSearch:
         if len(self.results) >= self.max_trials:
             return None
         if not self._remeasuring:
-            # The last trials of the budget go to re-measuring the best two.
-            reserve = min(REMEASURED, len(self.ranking()))
+            # The last trials of the budget go to re-measuring the best two, once two ran ok:
+            # re-measuring the only configuration measured cannot change the choice.
+            reserve = REMEASURED if len(self.ranking()) >= REMEASURED else 0
             if len(self.results) < self.max_trials - reserve:
                 for family in self.families():
                     proposal = self._next_in_family(*family)
@@ -315,7 +316,15 @@ class TrialSearch:
         # fell (a machine's load drifts between trials) is not chased further. The next is not
         # measured again where the best, measured twice, leads it by more than the noise.
         again = {r.config for r in self.results if r.purpose == REMEASURE}
-        for config in remeasured_pair(self.results, self.metric):
+        pair = remeasured_pair(self.results, self.metric)
+        if len(pair) < REMEASURED:
+            if pair:
+                self._decide(
+                    f"{pair[0].describe()}: the only configuration that ran ok; not measured "
+                    "again (a re-measure could choose nothing else)"
+                )
+            return None
+        for config in pair:
             if config in again:
                 continue
             if self._clear_lead():
