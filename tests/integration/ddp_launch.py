@@ -5,6 +5,10 @@ process group initialized) and runs itself as the worker script: ``run_job`` sta
 per rank with torchrun's environment (``RANK``, ``LOCAL_RANK``, ``GROUP_RANK``, ...), so several
 simulated nodes are just processes whose ``GROUP_RANK`` differ. Each rank's scenario returns a
 JSON-able result; a failing rank fails the test with its stderr.
+
+A process start costs seconds on a loaded machine, so a file whose scenarios need the same
+ranks and environment runs them in one job with ``run_scenarios`` (from a module-scoped
+fixture), each test asserting on its scenario's results.
 """
 
 from __future__ import annotations
@@ -103,12 +107,21 @@ def run_job(
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
+def run_scenarios(script: str, names: list[str], out_dir: Path, **job: Any) -> dict[str, list[Any]]:
+    """Run the scenarios ``names`` of ``script`` one after the other in one job (``job``: as
+    :func:`run_job`'s keywords); return each scenario's results by rank. A scenario that fails
+    fails the job, naming it in the ranks' stderr."""
+    ranks = run_job(script, ",".join(names), out_dir, **job)
+    return {name: [rank[name] for rank in ranks] for name in names}
+
+
 def _tail(path: Path, size: int = 6000) -> str:
     return path.read_bytes()[-size:].decode(errors="replace")
 
 
 def worker_main(scenarios: Mapping[str, Scenario]) -> None:
-    """Entry point of a worker process: ``script SCENARIO OUT_DIR``."""
+    """Entry point of a worker process: ``script SCENARIO[,SCENARIO...] OUT_DIR`` (several
+    scenarios: a result of each, by name)."""
     import torch
     import torch.distributed as dist
 
@@ -116,7 +129,10 @@ def worker_main(scenarios: Mapping[str, Scenario]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=60))
     try:
-        result = scenarios[name](out_dir)
+        if "," in name:
+            result = {one: scenarios[one](out_dir) for one in name.split(",")}
+        else:
+            result = scenarios[name](out_dir)
     finally:
         dist.destroy_process_group()
     (out_dir / f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))
