@@ -31,8 +31,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
-#: What every worker script imports first, and what takes it seconds.
-PRELOAD = ("torch", "torch.distributed", "pytest")
+#: What every worker script imports first (torch._dynamo: with its first optimizer step), and
+#: what takes it seconds.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "pytest")
 
 
 class ForkedRank:
