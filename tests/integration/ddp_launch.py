@@ -7,9 +7,9 @@ simulated nodes are just processes whose ``GROUP_RANK`` differ. Each rank's scen
 JSON-able result; a failing rank fails the test with its stderr.
 
 A process start costs seconds on a loaded machine (importing torch, most of it): each rank is
-forked from a process of its rank that imported torch once (rank_zygote), and a file whose
-scenarios need the same ranks and environment runs them in one job with ``run_scenarios``
-(from a module-scoped fixture), each test asserting on its scenario's results.
+forked from a process of its rank that imported torch once (tests/support/zygote.py), and a
+file whose scenarios need the same ranks and environment runs them in one job with
+``run_scenarios`` (from a module-scoped fixture), each test asserting on its scenario's results.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rank_zygote import Zygote
+if TYPE_CHECKING:
+    from tests.support.zygote import Zygote
 
 Scenario = Callable[[Path], Any]
 
@@ -108,6 +109,8 @@ def run_job(
 @functools.cache
 def _zygote(rank: int) -> Zygote:
     """The zygote of ``rank``, started at its first job; it ends with this test session."""
+    from tests.support.zygote import Zygote  # here: the ranks import this file, not tests/
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTUNE_")}
     return Zygote(dict(env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
 

@@ -1,11 +1,13 @@
-"""Rank processes forked from a process that has already imported torch.
+"""``python SCRIPT ARGS`` forked from a process that has already imported torch.
 
-Importing torch takes a rank seconds on a loaded machine, often longer than the scenario it
-runs. A zygote is a Python process that imports ``PRELOAD`` once, then forks a child per request;
-the child sets the job's environment, arguments and log, and runs the worker script as
-``python SCRIPT ARGS`` would (as ``__main__``, its directory first on ``sys.path``, its output
-unbuffered). Each rank of a job comes from the zygote of its rank, so the ranks of one job
-still hash strings with different seeds, as fresh processes do.
+Importing torch takes a process seconds on a loaded machine, often longer than what the test
+runs in it. A zygote is a Python process that imports ``PRELOAD`` once, then forks a child per
+request; the child sets the request's environment, arguments and output files, and runs the
+script as ``python SCRIPT ARGS`` would: as ``__main__``, its directory first on ``sys.path``, its
+output buffered as Python buffers it (unbuffered under ``PYTHONUNBUFFERED``), the exit code and
+traceback of an uncaught exception. The integration tests' 2-rank jobs fork each rank from a
+zygote of its own (tests/integration/ddp_launch.py), so the ranks of one job still hash strings
+with different seeds, as fresh processes do; ``run_python`` is ``subprocess.run`` of a script.
 
 Run as a script, this file is the zygote: it reads one JSON request per line on stdin, answers
 the child's pid on stdout, and writes the child's exit code (negative: the signal) to the
@@ -14,7 +16,9 @@ request's status file when it ends. It ends when its stdin closes (the test sess
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import io
 import json
 import os
@@ -26,7 +30,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -83,11 +86,22 @@ class Zygote:
             text=True,
         )
 
-    def fork(self, argv: list[str], env: Mapping[str, str], log: Path) -> ForkedRank:
-        """Start ``python ARGV`` (as a fork) with environment ``env``, output to ``log``."""
+    def fork(
+        self, argv: list[str], env: Mapping[str, str], log: Path, errors: Path | None = None
+    ) -> ForkedRank:
+        """Start ``python ARGV`` (as a fork) with environment ``env``, its stdout to ``log`` and
+        its stderr to ``errors`` (None: to ``log`` too)."""
         status = log.with_name(log.name + ".exit")
         status.unlink(missing_ok=True)
-        request = {"argv": argv, "env": dict(env), "cwd": os.getcwd(), "log": str(log)}
+        for path in {log, errors or log}:
+            path.write_bytes(b"")  # the child appends: stdout and stderr may share the file
+        request = {
+            "argv": argv,
+            "env": dict(env),
+            "cwd": os.getcwd(),
+            "log": str(log),
+            "errors": str(errors or log),
+        }
         assert self._process.stdin is not None and self._process.stdout is not None
         with self._lock:
             try:
@@ -103,6 +117,17 @@ class Zygote:
         return ForkedRank(int(answer), status)
 
 
+def _stream(fd: int, unbuffered: bool, line_buffering: bool, errors: str) -> io.TextIOWrapper:
+    """``sys.stdout`` or ``sys.stderr`` of a fresh ``python`` writing to a file: unbuffered
+    under PYTHONUNBUFFERED, else stdout block-buffered and stderr line-buffered."""
+    raw = io.FileIO(fd, "w", closefd=False)
+    if unbuffered:
+        return io.TextIOWrapper(raw, encoding="utf-8", errors=errors, write_through=True)
+    return io.TextIOWrapper(
+        io.BufferedWriter(raw), encoding="utf-8", errors=errors, line_buffering=line_buffering
+    )
+
+
 def _run_child(request: dict[str, Any]) -> None:
     """In the forked child: become ``python ARGV`` with the request's environment; never
     returns."""
@@ -110,18 +135,16 @@ def _run_child(request: dict[str, Any]) -> None:
     try:
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
-        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        for fd in (1, 2):
-            os.dup2(log, fd)
-        os.close(log)
         os.close(null)
-        # PYTHONUNBUFFERED, as a fresh rank gets it: every write reaches the log at once.
-        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-        sys.stderr = io.TextIOWrapper(
-            io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
-        )
+        for fd, path in ((1, request["log"]), (2, request["errors"])):
+            opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(opened, fd)
+            os.close(opened)
         os.environ.clear()
         os.environ.update(request["env"])
+        unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+        sys.stdout = _stream(1, unbuffered, line_buffering=False, errors="strict")
+        sys.stderr = _stream(2, unbuffered, line_buffering=True, errors="backslashreplace")
         os.chdir(request["cwd"])
         script = os.path.abspath(request["argv"][0])
         sys.argv = list(request["argv"])
@@ -134,11 +157,48 @@ def _run_child(request: dict[str, Any]) -> None:
         else:
             print(exit.code, file=sys.stderr)
     except BaseException:
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())  # as the interpreter: a script's own hook runs
     finally:
+        _finalize(code)
+
+
+def _finalize(code: int) -> None:
+    """End the child as the interpreter ends: wait for its threads, run its atexit callbacks,
+    flush its output; then exit without running the zygote's own finalization."""
+    with contextlib.suppress(BaseException):
+        threading._shutdown()  # type: ignore[attr-defined]
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+    with contextlib.suppress(BaseException):
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
+    os._exit(code)
+
+
+@functools.cache
+def _script_zygote() -> Zygote:
+    """The zygote of ``run_python``, started at its first call; it ends with the session."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DISTUNE_", "TORCHELASTIC"))}
+    return Zygote(env)
+
+
+def run_python(
+    argv: list[str], env: Mapping[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True,
+    timeout=timeout)``, forked from a zygote whose environment is this process's without
+    distune's variables."""
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+        child = _script_zygote().fork(argv, env, out, err)
+        deadline = time.monotonic() + timeout
+        while child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+            raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text())
+        return subprocess.CompletedProcess(argv, child.wait(), out.read_text(), err.read_text())
 
 
 def _serve() -> None:
