@@ -9,6 +9,16 @@ import pytest
 from tests.support.service_process import ServiceProcess
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """One intra-op thread in this process, as every rank of a job gets (torchrun's
+    OMP_NUM_THREADS=1, ddp_launch's set_num_threads(1)). The tests' tensors are small: a second
+    thread only makes each op wait for it, worst on a loaded machine (3.5x the time of
+    test_fused_optimizer at load 2.7, up to 10 s a test in a full run)."""
+    import torch  # here, not at the top: a conftest import would load torch for every tool
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture
 def start_service() -> Iterator[Callable[..., ServiceProcess]]:
     """Start tuning service processes (``start_service(*flags, token=...)``); every one still

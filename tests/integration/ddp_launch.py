@@ -5,20 +5,28 @@ process group initialized) and runs itself as the worker script: ``run_job`` sta
 per rank with torchrun's environment (``RANK``, ``LOCAL_RANK``, ``GROUP_RANK``, ...), so several
 simulated nodes are just processes whose ``GROUP_RANK`` differ. Each rank's scenario returns a
 JSON-able result; a failing rank fails the test with its stderr.
+
+A process start costs seconds on a loaded machine (importing torch, most of it): each rank is
+forked from a process of its rank that imported torch once (tests/support/zygote.py), and a
+file whose scenarios need the same ranks and environment runs them in one job with
+``run_scenarios`` (from a module-scoped fixture), each test asserting on its scenario's results.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tests.support.zygote import Zygote
 
 Scenario = Callable[[Path], Any]
 
@@ -55,29 +63,26 @@ def run_job(
         PYTHONUNBUFFERED="1",
     )
     base.update(env or {})
-    procs = []
-    for rank in range(world_size):
-        rank_env = dict(
-            base, RANK=str(rank), GROUP_RANK=str(rank // per_node), LOCAL_RANK=str(rank % per_node)
+    zygotes = [_zygote(rank) for rank in range(world_size)]  # the first job's import at once
+    procs = [
+        zygotes[rank].fork(
+            [script, scenario, str(out_dir)],
+            dict(
+                base,
+                RANK=str(rank),
+                GROUP_RANK=str(rank // per_node),
+                LOCAL_RANK=str(rank % per_node),
+            ),
+            out_dir / f"rank{rank}.err",
         )
-        stderr = open(out_dir / f"rank{rank}.err", "wb")  # noqa: SIM115 (closed below)
-        procs.append(
-            (
-                subprocess.Popen(
-                    [sys.executable, script, scenario, str(out_dir)],
-                    env=rank_env,
-                    stdout=stderr,
-                    stderr=subprocess.STDOUT,
-                ),
-                stderr,
-            )
-        )
+        for rank in range(world_size)
+    ]
     deadline = time.monotonic() + timeout
     failed_at = None
     try:
-        while any(p.poll() is None for p, _ in procs):
+        while any(p.poll() is None for p in procs):
             now = time.monotonic()
-            if any(p.returncode not in (None, 0) for p, _ in procs):
+            if any(p.returncode not in (None, 0) for p in procs):
                 # A failed rank leaves its peers waiting in a collective: give them a moment.
                 failed_at = failed_at or now
                 if now - failed_at > 3:
@@ -86,14 +91,12 @@ def run_job(
                 break
             time.sleep(0.05)
     finally:
-        for proc, stderr in procs:
-            if proc.poll() is None:
-                proc.kill()
+        for proc in procs:
+            proc.kill()
             proc.wait()
-            stderr.close()
     problems = [
         f"rank {rank} exited {proc.returncode}:\n{_tail(out_dir / f'rank{rank}.err')}"
-        for rank, (proc, _) in enumerate(procs)
+        for rank, proc in enumerate(procs)
         if proc.returncode != 0
     ]
     if problems:
@@ -103,12 +106,32 @@ def run_job(
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
+@functools.cache
+def _zygote(rank: int) -> Zygote:
+    """The zygote of ``rank``, started at its first job; it ends with this test session."""
+    from tests.support.zygote import Zygote  # here: the ranks import this file, not tests/
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTUNE_")}
+    return Zygote(dict(env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+
+
+def run_scenarios(script: str, names: list[str], out_dir: Path, **job: Any) -> dict[str, list[Any]]:
+    """Run the scenarios ``names`` of ``script`` one after the other in one job (``job``: as
+    :func:`run_job`'s keywords); return each scenario's results by rank. A scenario that fails
+    fails the job, naming it in the ranks' stderr."""
+    if len(names) == 1:  # a single scenario's rank gives its result alone
+        return {names[0]: run_job(script, names[0], out_dir, **job)}
+    ranks = run_job(script, ",".join(names), out_dir, **job)
+    return {name: [rank[name] for rank in ranks] for name in names}
+
+
 def _tail(path: Path, size: int = 6000) -> str:
     return path.read_bytes()[-size:].decode(errors="replace")
 
 
 def worker_main(scenarios: Mapping[str, Scenario]) -> None:
-    """Entry point of a worker process: ``script SCENARIO OUT_DIR``."""
+    """Entry point of a worker process: ``script SCENARIO[,SCENARIO...] OUT_DIR`` (several
+    scenarios: a result of each, by name)."""
     import torch
     import torch.distributed as dist
 
@@ -116,7 +139,10 @@ def worker_main(scenarios: Mapping[str, Scenario]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=60))
     try:
-        result = scenarios[name](out_dir)
+        if "," in name:
+            result = {one: scenarios[one](out_dir) for one in name.split(",")}
+        else:
+            result = scenarios[name](out_dir)
     finally:
         dist.destroy_process_group()
     (out_dir / f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))

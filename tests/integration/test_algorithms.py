@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_launch import run_job, worker_main
+from ddp_launch import run_job, run_scenarios, worker_main
 from torch import nn
 
 from distune.algorithms import AsyncModelAverage, Decentralized, GradientAllReduce, LowPrecision
@@ -329,28 +329,36 @@ def model_averaging(out: Path) -> dict[str, Any]:
     return {"decentralized": decentralized(out), "async_model_average": async_model_average(out)}
 
 
-def test_comm_hooks_give_torch_ddps_gradients(tmp_path):
-    run_job(__file__, "comm_hooks", tmp_path)
+#: The scenarios of one node of two ranks: one job runs them all.
+ONE_NODE = ["comm_hooks", "through_the_wrapper", "low_precision", "model_averaging"]
 
 
-def test_algorithms_through_the_wrapper(tmp_path):
-    run_job(__file__, "through_the_wrapper", tmp_path)
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory) -> dict[str, list[Any]]:
+    """Each of ``ONE_NODE``'s results by rank, from one 2-rank job."""
+    return run_scenarios(__file__, ONE_NODE, tmp_path_factory.mktemp("one_node"), timeout=150)
+
+
+def test_comm_hooks_give_torch_ddps_gradients(one_node):
+    assert one_node["comm_hooks"] == [{}, {}]  # the ranks compared with torch's DDP
+
+
+def test_algorithms_through_the_wrapper(one_node):
+    assert all(r["Decentralized"] == [0.5, 0.5] for r in one_node["through_the_wrapper"])
 
 
 def test_hierarchical_low_precision_on_two_nodes_of_two_ranks(tmp_path):
     run_job(__file__, "hierarchical_low_precision", tmp_path, nodes=2, per_node=2)
 
 
-def test_low_precision_within_one_step_and_error_feedback_keeps_the_sum(tmp_path):
-    results = run_job(__file__, "low_precision", tmp_path)
+def test_low_precision_within_one_step_and_error_feedback_keeps_the_sum(one_node):
+    results = one_node["low_precision"]
     assert results[0] == results[1]
 
 
-def test_decentralized_averages_peers_and_async_ends_identical_at_uneven_stops(tmp_path):
-    # One job for both model-averaging algorithms: a process start less.
-    results = run_job(__file__, "model_averaging", tmp_path, timeout=60)
+def test_decentralized_averages_peers_and_async_ends_identical_at_uneven_stops(one_node):
     # Rank 0 finished after 5 of rank 1's 40 steps and joined rounds until rank 1 finished.
-    assert all(r["async_model_average"]["rounds"] > 1 for r in results)
+    assert all(r["async_model_average"]["rounds"] > 1 for r in one_node["model_averaging"])
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_launch import run_job, worker_main
+from ddp_launch import run_job, run_scenarios, worker_main
 from torch import nn
 from torch.testing import assert_close
 
@@ -229,12 +229,25 @@ def two_nodes(out: Path) -> dict:
     return {**matches_torch_ddp(out), **switches_change_nothing(out)}
 
 
-def _run(name: str, tmp_path: Path, **kwargs: Any) -> list[Any]:
-    return run_job(__file__, name, tmp_path, **kwargs)
+#: The scenarios of one node of two ranks: one job runs them all (a process start is seconds).
+ONE_NODE = [
+    "matches_torch_ddp",
+    "construction_broadcasts_buffers",
+    "half_precision",
+    "no_sync_accumulation",
+    "unused_parameters",
+    "switches_change_nothing",
+]
 
 
-def test_gradients_match_torch_ddp_for_several_bucket_sizes(tmp_path):
-    results = _run("matches_torch_ddp", tmp_path)
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory) -> dict[str, list[Any]]:
+    """Each of ``ONE_NODE``'s results by rank, from one 2-rank job."""
+    return run_scenarios(__file__, ONE_NODE, tmp_path_factory.mktemp("one_node"), timeout=150)
+
+
+def test_gradients_match_torch_ddp_for_several_bucket_sizes(one_node):
+    results = one_node["matches_torch_ddp"]
     buckets = results[0]["buckets"]
     # 2^0: a bucket per parameter ... 2^15: one bucket (see test_worker_buckets for the rule).
     assert [buckets[f"{p}/False"] for p in (0, 11, 13, 15)] == [6, 4, 2, 1]
@@ -244,30 +257,32 @@ def test_gradients_match_torch_ddp_for_several_bucket_sizes(tmp_path):
 def test_two_nodes_of_two_ranks_hierarchical_and_flat_match_torch_ddp_and_switch(tmp_path):
     """2 simulated nodes x 2 ranks: both shapes match torch DDP, and switching between flat and
     hierarchical mid-run (also mid-accumulation) changes no parameter."""
-    results = _run("two_nodes", tmp_path, nodes=2, per_node=2, timeout=150)
+    results = run_job(__file__, "two_nodes", tmp_path, nodes=2, per_node=2, timeout=150)
     assert all((r["nnodes"], r["local_world_size"]) == (2, 2) for r in results)
     assert all(r["applied"] == results[0]["applied"] for r in results)
     assert len(results[0]["applied"]) == len(SWITCHES)
 
 
-def test_construction_broadcasts_parameters_and_buffers(tmp_path):
-    _run("construction_broadcasts_buffers", tmp_path)
+# The scenarios below assert inside the ranks (a failure fails the job): each test is its own
+# scenario's verdict.
+def test_construction_broadcasts_parameters_and_buffers(one_node):
+    assert one_node["construction_broadcasts_buffers"] == [{}, {}]
 
 
-def test_fp16_and_bf16_parameters(tmp_path):
-    _run("half_precision", tmp_path)
+def test_fp16_and_bf16_parameters(one_node):
+    assert one_node["half_precision"] == [{}, {}]
 
 
-def test_no_sync_accumulation_equals_torch_ddp(tmp_path):
-    _run("no_sync_accumulation", tmp_path)
+def test_no_sync_accumulation_equals_torch_ddp(one_node):
+    assert one_node["no_sync_accumulation"] == [{}, {}]
 
 
-def test_unused_parameters_handled_like_find_unused_parameters(tmp_path):
-    _run("unused_parameters", tmp_path)
+def test_unused_parameters_handled_like_find_unused_parameters(one_node):
+    assert one_node["unused_parameters"] == [{}, {}]
 
 
-def test_switches_leave_training_unchanged(tmp_path):
-    results = _run("switches_change_nothing", tmp_path)
+def test_switches_leave_training_unchanged(one_node):
+    results = one_node["switches_change_nothing"]
     assert results[0]["applied"] == results[1]["applied"]
     assert len(results[0]["applied"]) == len(SWITCHES)
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_launch import run_job, worker_main
+from ddp_launch import run_scenarios, worker_main
 from test_ddp_correctness import assert_grads_equal, assert_params_equal, batch, loss_of, make_model
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -266,96 +266,71 @@ def uneven_inputs_with_join(out: Path) -> dict:
     return {"iterations": ours._reducer.iterations}
 
 
+#: Every scenario, in one job (a process start is seconds): cases 1-5 of the review, then the
+#: drop-in cases; the last one sets an environment variable on rank 1, so it stays last.
+CASES = [
+    "rewrapped",
+    "backward_through_module",
+    "forwards_in_and_out_of_no_sync",
+    "complex_parameters",
+    "reentrant_checkpointing",
+    "different_models_are_refused",
+    "buffers_broadcast_each_forward",
+    "uneven_inputs_with_join",
+    "rank_zero_starting_group_wins",
+]
+
+
 @pytest.fixture(scope="module")
-def gradient_cases(tmp_path_factory) -> dict[str, list[Any]]:
-    """Cases 1-5 of the review in one job: name -> each rank's result."""
-    out = tmp_path_factory.mktemp("gradient_cases")
-    return {"all": run_job(__file__, "gradient_cases", out, timeout=120)}
+def cases(tmp_path_factory) -> dict[str, list[Any]]:
+    """Each of ``CASES``' results by rank, from one 2-rank job."""
+    return run_scenarios(__file__, CASES, tmp_path_factory.mktemp("review_cases"), timeout=150)
 
 
-@scenario
-def gradient_cases_job(out: Path) -> dict:
-    return {
-        name: SCENARIOS[name](out)
-        for name in (
-            "rewrapped",
-            "backward_through_module",
-            "forwards_in_and_out_of_no_sync",
-            "complex_parameters",
-            "reentrant_checkpointing",
-        )
-    }
+def test_a_second_wrapper_leaves_the_first_inert(cases):
+    assert [r["iterations"] for r in cases["rewrapped"]] == [3, 3]
 
 
-SCENARIOS["gradient_cases"] = gradient_cases_job
-
-
-def results_of(gradient_cases: dict, name: str) -> list[Any]:
-    return [rank_result[name] for rank_result in gradient_cases["all"]]
-
-
-def test_a_second_wrapper_leaves_the_first_inert(gradient_cases):
-    assert [r["iterations"] for r in results_of(gradient_cases, "rewrapped")] == [3, 3]
-
-
-def test_backward_through_module_stays_local_and_leaks_nothing(gradient_cases):
-    results = results_of(gradient_cases, "backward_through_module")
+def test_backward_through_module_stays_local_and_leaks_nothing(cases):
+    results = cases["backward_through_module"]
     assert all(r["iterations"] == 4 for r in results)
     # Spare gradient tensors are freed at each forward: never more than the six parameters.
     assert all(max(r["spares"]) <= 6 for r in results), results
 
 
-def test_a_forward_outside_no_sync_makes_the_backward_average(gradient_cases):
-    assert results_of(gradient_cases, "forwards_in_and_out_of_no_sync") == [{}, {}]
+def test_a_forward_outside_no_sync_makes_the_backward_average(cases):
+    assert cases["forwards_in_and_out_of_no_sync"] == [{}, {}]
 
 
-def test_complex_parameters_unused_on_one_rank(gradient_cases):
-    assert results_of(gradient_cases, "complex_parameters") == [{}, {}]
+def test_complex_parameters_unused_on_one_rank(cases):
+    assert cases["complex_parameters"] == [{}, {}]
 
 
-def test_reentrant_checkpointing_is_one_reduction_per_backward(gradient_cases):
-    for result in results_of(gradient_cases, "reentrant_checkpointing"):
+def test_reentrant_checkpointing_is_one_reduction_per_backward(cases):
+    for result in cases["reentrant_checkpointing"]:
         assert result["iterations"] == {"top": 3, "top_unused": 3, "all": 3}
 
 
-@scenario
-def drop_in_job(out: Path) -> dict:
-    return {
-        name: SCENARIOS[name](out)
-        for name in (
-            "different_models_are_refused",
-            "buffers_broadcast_each_forward",
-            "uneven_inputs_with_join",
-            "rank_zero_starting_group_wins",
-        )
-    }
-
-
-@pytest.fixture(scope="module")
-def drop_in(tmp_path_factory) -> list[dict]:
-    return run_job(__file__, "drop_in_job", tmp_path_factory.mktemp("drop_in"), timeout=120)
-
-
-def test_ranks_that_wrap_different_models_all_raise_naming_the_difference(drop_in):
-    first, second = (r["different_models_are_refused"]["errors"] for r in drop_in)
+def test_ranks_that_wrap_different_models_all_raise_naming_the_difference(cases):
+    first, second = (r["errors"] for r in cases["different_models_are_refused"])
     assert first == second and len(first) == 2
     assert "'weight' is [4, 33] torch.float32 where rank 0's 'weight' is [4, 32]" in first[0]
     assert "rank 1: 4 trainable parameters where rank 0 has 2" in first[1]
 
 
-def test_buffers_are_broadcast_each_forward_like_torch_ddp(drop_in):
+def test_buffers_are_broadcast_each_forward_like_torch_ddp(cases):
     # Each rank matched torch's buffers in the job; broadcasting changes rank 1's only.
-    kept = [r["buffers_broadcast_each_forward"] for r in drop_in]
+    kept = cases["buffers_broadcast_each_forward"]
     assert kept[0]["True"] == kept[0]["False"]
     assert kept[1]["True"] != kept[1]["False"]
 
 
-def test_join_handles_uneven_inputs_like_torch_ddp(drop_in):
-    assert [r["uneven_inputs_with_join"]["iterations"] for r in drop_in] == [5, 5]
+def test_join_handles_uneven_inputs_like_torch_ddp(cases):
+    assert [r["iterations"] for r in cases["uneven_inputs_with_join"]] == [5, 5]
 
 
-def test_every_rank_starts_on_rank_zeros_group(drop_in):
-    groups = [r["rank_zero_starting_group_wins"]["hyperparameters"] for r in drop_in]
+def test_every_rank_starts_on_rank_zeros_group(cases):
+    groups = [r["hyperparameters"] for r in cases["rank_zero_starting_group_wins"]]
     assert groups[0] == groups[1] == {"bucket_size_2p": 16, "is_hierarchical_reduce": False}
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from ddp_launch import run_job, worker_main
+from ddp_launch import run_scenarios, worker_main
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -199,6 +200,8 @@ def zero1_against_stock_zero1() -> dict[str, bool]:
 
 @scenario
 def memory_cap_raises_out_of_memory(out: Path) -> dict:
+    for setting in (BF16, ZERO_STAGE, CHECKPOINTING, MICRO_BATCH, ACCUMULATION):
+        os.environ.pop(setting, None)  # what train() left: the launcher's defaults, as alone
     os.environ[DEVICE_MEMORY] = str(64 * 2**10)  # the model (~14 KiB) and a little more
     torch.manual_seed(0)
     model = Net()
@@ -214,8 +217,24 @@ def memory_cap_raises_out_of_memory(out: Path) -> dict:
     return {"fitted_peak": fitted, "oom": None}
 
 
-def test_every_strategy_gives_ddps_losses_at_the_same_global_batch(tmp_path):
-    results = run_job(__file__, "strategies_train_the_same_model", tmp_path, timeout=180)
+#: Every scenario, in one job (a process start is seconds); the memory cap's stays last, as it
+#: leaves the cap set.
+SCENARIO_ORDER = [
+    "strategies_train_the_same_model",
+    "bf16_strategies_train_the_same_model",
+    "gradient_scalers_under_sharded_stages",
+    "memory_cap_raises_out_of_memory",
+]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> dict[str, list[Any]]:
+    """Each scenario's results by rank, from one 2-rank job."""
+    return run_scenarios(__file__, SCENARIO_ORDER, tmp_path_factory.mktemp("job"), timeout=240)
+
+
+def test_every_strategy_gives_ddps_losses_at_the_same_global_batch(job):
+    results = job["strategies_train_the_same_model"]
     for rank_result in results:
         # zero1's parameters are torch's stock zero1's, bit for bit, whatever its broadcast.
         assert rank_result.pop(STOCK_ZERO1) == {"equal": True, "trained": True}
@@ -228,8 +247,8 @@ def test_every_strategy_gives_ddps_losses_at_the_same_global_batch(tmp_path):
     assert job_loss[-1] < job_loss[0]  # it trains: the job's loss, whose gradient each rank steps
 
 
-def test_bf16_strategies_give_bf16_ddps_losses_within_bf16_tolerance(tmp_path):
-    results = run_job(__file__, "bf16_strategies_train_the_same_model", tmp_path, timeout=180)
+def test_bf16_strategies_give_bf16_ddps_losses_within_bf16_tolerance(job):
+    results = job["bf16_strategies_train_the_same_model"]
     for rank_result in results:
         fp32 = rank_result.pop("fp32")
         reference = rank_result["0/False/4"]
@@ -240,8 +259,8 @@ def test_bf16_strategies_give_bf16_ddps_losses_within_bf16_tolerance(tmp_path):
         torch.testing.assert_close(reference, fp32, rtol=3e-2, atol=1e-3)
 
 
-def test_a_gradient_scaler_that_checks_a_shard_alone_is_refused_under_zero2(tmp_path):
-    results = run_job(__file__, "gradient_scalers_under_sharded_stages", tmp_path)
+def test_a_gradient_scaler_that_checks_a_shard_alone_is_refused_under_zero2(job):
+    results = job["gradient_scalers_under_sharded_stages"]
     for rank_result in results:
         refused = rank_result.pop("zero2 GradScaler")
         assert "torch.amp.GradScaler checks only its own rank's shard" in refused
@@ -251,8 +270,8 @@ def test_a_gradient_scaler_that_checks_a_shard_alone_is_refused_under_zero2(tmp_
             torch.testing.assert_close(losses, reference, rtol=1e-5, atol=1e-6, msg=config)
 
 
-def test_the_memory_cap_raises_torchs_out_of_memory_error_on_cpu(tmp_path):
-    results = run_job(__file__, "memory_cap_raises_out_of_memory", tmp_path)
+def test_the_memory_cap_raises_torchs_out_of_memory_error_on_cpu(job):
+    results = job["memory_cap_raises_out_of_memory"]
     for result in results:
         assert 0 < result["fitted_peak"] <= 64 * 2**10
         assert "over the cap of 65536 bytes" in result["oom"]

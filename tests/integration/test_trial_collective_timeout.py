@@ -29,7 +29,11 @@ def silent_peer(out: Path) -> dict:
     model = nn.Linear(4, 4)
     distune.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2)
     if torch.distributed.get_rank() == 1:
-        time.sleep(SILENCE_SECONDS)  # alive, but never joins the collective
+        # Alive, but never joins the collective: silent until rank 0 has given up and left (its
+        # result written), at most SILENCE_SECONDS, so that a rank 0 still waiting fails below.
+        deadline = time.monotonic() + SILENCE_SECONDS
+        while not (out / "rank0.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         return {"waited": None, "error": None}
     start = time.monotonic()
     try:
@@ -43,7 +47,7 @@ def test_a_collective_waiting_for_a_silent_peer_fails_after_the_trials_timeout(t
     rank0, _ = run_job(__file__, "silent_peer", tmp_path, timeout=120)
     assert rank0["error"] is not None, rank0
     assert "timed out" in rank0["error"].lower() or "timeout" in rank0["error"].lower()
-    # torch's default would be 30 minutes; the peer stays silent for 12 s.
+    # torch's default would be 30 minutes; the peer stays silent for 12 s unless rank 0 left.
     assert TIMEOUT_SECONDS - 0.5 <= rank0["waited"] < SILENCE_SECONDS - 1
 
 

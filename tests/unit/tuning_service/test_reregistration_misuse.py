@@ -4,7 +4,7 @@ registrations are told apart (docs/tuning_service.md, "Re-registration")."""
 
 import json
 import threading
-import time
+from types import TracebackType
 
 import pytest
 
@@ -23,6 +23,27 @@ CONFIG = TuningConfig(
 )
 
 
+class ContendedLock:
+    """A session's lock that says when a thread finds it held and starts waiting for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.waited = threading.Event()
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            self.waited.set()
+            self._lock.acquire()
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._lock.release()
+
+
 def test_a_report_that_waited_while_its_registration_was_replaced_is_superseded():
     # Two models under one name (two jobs on one service): model A's report has read which
     # registration is current and waits for its session's lock, which a registration of model
@@ -35,6 +56,7 @@ def test_a_report_that_waited_while_its_registration_was_replaced_is_superseded(
     service.report("m", Report(0, 2, 100, 1.0))  # one window more finishes the sample
     model = service._models["m"]
     replaced = model.current
+    replaced.lock = ContendedLock()  # type: ignore[assignment]
     outcome: dict[str, object] = {}
 
     def late_report() -> None:
@@ -46,7 +68,9 @@ def test_a_report_that_waited_while_its_registration_was_replaced_is_superseded(
     with replaced.lock:
         thread = threading.Thread(target=late_report)
         thread.start()
-        time.sleep(0.2)  # the report has looked the registration up and waits for its lock
+        # The report has looked the registration up and waits for its lock (a fixed sleep here
+        # was not always long enough on a loaded machine).
+        assert replaced.lock.waited.wait(10), "the late report never waited for the lock"
         # What register() does with the session's lock held: B's facts replace A's session.
         with service._lock:
             new = service._replace(model, Registration.from_json(UNFROZEN), replaced.session.fixed)

@@ -1,13 +1,13 @@
 """A level-2 trial of a script that never calls ``distune.prepare``: measured through
 ``distune.DistributedDataParallel`` (steps end with each synchronised backward), in a gloo world
-of one rank. A trial's rank ends its process, so each trial runs in a child process."""
+of one rank. A trial's rank ends its process, so each trial runs in a child process (forked from
+one that has imported torch: tests/support/zygote.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from torch import nn
 import distune
 from distune.trial_settings import TRIAL_DIR
 from distune.worker_runtime.trial_measurement import preparing
+from tests.support.zygote import run_python
 
 # A script as a user writes it: DDP only, its own micro-batch and accumulation under no_sync,
 # the data drawn inside the loop (so it is part of the step's time).
@@ -119,14 +120,8 @@ def trial(
             **env,
         }
     )
-    return subprocess.run(
-        [sys.executable, str(script), str(micro), str(accumulation), *args],
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    # Forked from a process that has imported torch (as subprocess.run otherwise).
+    return run_python([str(script), str(micro), str(accumulation), *args], environ, timeout=120)
 
 
 def test_a_wrapper_only_script_is_measured_step_by_step_with_its_batch_learned(tmp_path):
