@@ -18,9 +18,8 @@ from distune.cli.service_client import ServiceConnection, ServiceError
 from distune.cli.status import format_table, watch
 from distune.tuning_service.app import create_app
 from distune.tuning_service.config import TuningConfig
-from distune.tuning_service.messages import Registration, Report
+from distune.tuning_service.messages import Registration
 from distune.tuning_service.service import TuningService
-from distune.tuning_service.session import StaleGroupError
 from distune.tuning_service.trial_messages import (
     NodeReport,
     TrialKnobs,
@@ -30,6 +29,7 @@ from distune.tuning_service.trial_messages import (
 )
 from tests.support.models import SINGLE_NODE_REGISTRATION as FACTS
 from tests.support.service_process import TOKEN
+from tests.support.service_reports import report
 
 
 def drive(service, name, windows, rate):
@@ -39,10 +39,7 @@ def drive(service, name, windows, rate):
     for _ in range(windows):
         iterations = max(1, round(rate(reply.group.hyperparameters.bucket_size_2p) * 0.5))
         train_iter += iterations
-        try:
-            reply = service.report(name, Report(reply.group.id, train_iter, iterations, 0.5))
-        except StaleGroupError as error:
-            reply = error.reply
+        reply = report(service, name, reply, train_iter, iterations)
         if reply.completed:
             break
 
@@ -324,10 +321,7 @@ def test_a_model_registered_again_shows_each_registration():
                                          min_windows=2, warmup_time=0.0, seed=1))  # fmt: skip
     reply = service.register("m", Registration.from_json({**FACTS, "gradient_bytes": 2**20}))
     for train_iter in range(1, 500):
-        try:
-            reply = service.report("m", Report(reply.group.id, train_iter, 50, 0.5))
-        except StaleGroupError as error:
-            reply = error.reply
+        reply = report(service, "m", reply, train_iter, 50)
         if reply.completed:
             break
     service.register("m", Registration.from_json({**FACTS, "gradient_bytes": 2**24}))
@@ -358,10 +352,7 @@ def test_registrations_are_numbered_as_distune_log_numbers_them(tmp_path, capsys
             "m", Registration.from_json({**FACTS, "gradient_bytes": gradient_bytes})
         )
         for train_iter in range(1, windows + 1):
-            try:
-                reply = service.report("m", Report(reply.group.id, train_iter, 50, 0.5))
-            except StaleGroupError as error:
-                reply = error.reply
+            reply = report(service, "m", reply, train_iter, 50)
             if reply.completed:
                 break
     log.close()

@@ -13,9 +13,9 @@ from distune.cli.main import main
 from distune.tuning_service.config import TuningConfig
 from distune.tuning_service.messages import Registration, Report
 from distune.tuning_service.service import TuningService
-from distune.tuning_service.session import StaleGroupError
 from distune.tuning_service.tuning_log import COLUMNS, TuningLog
 from tests.support.models import SINGLE_NODE_REGISTRATION as FACTS
+from tests.support.service_reports import report
 
 #: Iterations per second of each model's synthetic job, by bucket_size_2p: best at 2^20.
 MODELS = {
@@ -38,10 +38,7 @@ def recorded(tmp_path_factory):
         while not reply.completed:
             iterations = round(rate(reply.group.hyperparameters.bucket_size_2p) * 0.5)
             train_iter += iterations
-            try:
-                reply = service.report(name, Report(reply.group.id, train_iter, iterations, 0.5))
-            except StaleGroupError as error:
-                reply = error.reply
+            reply = report(service, name, reply, train_iter, iterations)
     log.close()
     return path, service.status()["models"]
 
@@ -86,10 +83,7 @@ def test_a_model_registered_again_reads_as_one_run_per_registration(tmp_path, ca
         while not reply.completed:
             iterations = round(MODELS["gpt"](reply.group.hyperparameters.bucket_size_2p) * 0.5)
             train_iter += iterations
-            try:
-                reply = service.report("m", Report(reply.group.id, train_iter, iterations, 0.5))
-            except StaleGroupError as error:
-                reply = error.reply
+            reply = report(service, "m", reply, train_iter, iterations)
     log.close()
     status = service.status()["models"]["m"]
     runs = read_log(path)
@@ -288,10 +282,7 @@ def test_a_close_calls_legs_count_once_in_the_summary(tmp_path, capsys):
         level = 102.0 if reply.group.hyperparameters.bucket_size_2p == 20 else 100.0
         iterations = round(level * (1.0, 1.04, 0.96)[count % 3] * 0.5)
         train_iter, count = train_iter + iterations, count + 1
-        try:
-            reply = service.report("m", Report(reply.group.id, train_iter, iterations, 0.5))
-        except StaleGroupError as error:
-            reply = error.reply
+        reply = report(service, "m", reply, train_iter, iterations)
     log.close()
     samples = service.status()["models"]["m"]["samples"]
     (run,) = read_log(path)
@@ -386,10 +377,7 @@ def _slow_first_default(path, stop_after=None):
         rate = 60.0 + 6.0 * math.exp(-(((hp.bucket_size_2p - 20) / 2.5) ** 2))
         iterations = round((40.0 if hp == default and train_iter < 200 else rate) * 0.5)
         train_iter, reports = train_iter + iterations, reports + 1
-        try:
-            reply = service.report("m", Report(reply.group.id, train_iter, iterations, 0.5))
-        except StaleGroupError as error:
-            reply = error.reply
+        reply = report(service, "m", reply, train_iter, iterations)
     log.close()
     return service.status()["models"]["m"]
 
@@ -452,10 +440,7 @@ def test_a_session_reopened_by_a_drift_is_not_shown_as_completed(tmp_path, capsy
         rate = 66.0 if reply.group.hyperparameters.bucket_size_2p == 19 else 60.0
         iterations = round(rate * (0.5 if drifted else 1.0) * 0.5)  # another phase: slower
         train_iter += iterations
-        try:
-            reply = service.report("m", Report(reply.group.id, train_iter, iterations, 0.5))
-        except StaleGroupError as error:
-            reply = error.reply
+        reply = report(service, "m", reply, train_iter, iterations)
     log.close()
     status = service.status()["models"]["m"]
     assert status["retunes"] == 1 and status["state"] == "sampling"
