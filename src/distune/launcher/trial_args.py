@@ -11,19 +11,27 @@ from dataclasses import replace
 from distune.tuning_service.trials.trial_config import ACCUMULATION, MICRO_BATCH, TrialPins
 
 
-def without_flag(script_args: list[str], flag: str) -> list[str]:
+def _split_flag(script_args: list[str], flag: str) -> tuple[list[str], int | None]:
     """The script's arguments without any occurrence of ``flag`` (``--flag V`` or
-    ``--flag=V``)."""
+    ``--flag=V``), and where its last occurrence stood among them (None: it had none)."""
     kept: list[str] = []
+    at: int | None = None
     skip = False
     for arg in script_args:
         if skip:
             skip = False
-        elif arg == flag:
-            skip = True
-        elif not arg.startswith(f"{flag}="):
+        elif arg == flag or arg.startswith(f"{flag}="):
+            skip = arg == flag
+            at = len(kept)
+        else:
             kept.append(arg)
-    return kept
+    return kept, at
+
+
+def without_flag(script_args: list[str], flag: str) -> list[str]:
+    """The script's arguments without any occurrence of ``flag`` (``--flag V`` or
+    ``--flag=V``)."""
+    return _split_flag(script_args, flag)[0]
 
 
 def flag_value(script_args: list[str], flag: str) -> str | None:
@@ -71,17 +79,7 @@ def with_flag(script_args: list[str], flag: str, value: str) -> list[str]:
     script's parser reads it where the user put it (a flag of the main parser before a
     subcommand, ``train.py --bs 4 fit``, stays there); a flag the arguments do not give is
     appended."""
-    kept: list[str] = []
-    at: int | None = None  # where the last occurrence stands in ``kept``
-    skip = False
-    for arg in script_args:
-        if skip:
-            skip = False
-        elif arg == flag or arg.startswith(f"{flag}="):
-            skip = arg == flag
-            at = len(kept)
-        else:
-            kept.append(arg)
+    kept, at = _split_flag(script_args, flag)
     if at is None:
         return [*kept, flag, value]
     return [*kept[:at], flag, value, *kept[at:]]
