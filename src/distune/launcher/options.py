@@ -109,7 +109,8 @@ def _bool(value: Any) -> bool:
 
 
 def _output_path(value: Any) -> Path:
-    """A file to create: its directory must exist, and it must not be a symlink."""
+    """A file to create: its directory must exist and be writable, and it must not be a
+    symlink."""
     if not isinstance(value, str | Path) or not str(value).strip():
         raise InvalidValue(f"must be a file path, got {value!r}")
     path = Path(value).expanduser()
@@ -122,6 +123,12 @@ def _output_path(value: Any) -> Path:
     if path.exists() and not path.is_file():
         # /dev/null, a FIFO: the service refuses them as it starts, with its own usage text.
         raise InvalidValue(f"{str(path)!r} is not a regular file")
+    # The best-file replaces itself through a new file beside it, so the directory must take
+    # one: caught here, not by the service's start (the log) or at completion (the best-file).
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise InvalidValue(f"directory {str(path.parent)!r} is not writable")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise InvalidValue(f"{str(path)!r} is not writable")
     return path
 
 

@@ -1,6 +1,8 @@
 """distune-run's flags: torchrun's pass through, autotune flags validated, config files merged."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,6 +148,30 @@ def test_invalid_values_exit_2_with_one_line_naming_the_flag(argv, message, caps
     assert err.count("\n") == 1, err
     assert err.startswith("distune-run: error: ")
     assert message in err
+
+
+def _unwritable_directory(tmp_path):
+    """A directory this user cannot create files in: root can in any mode-0500 one."""
+    if os.geteuid() != 0:
+        directory = tmp_path / "read-only"
+        directory.mkdir(mode=0o500)
+        return directory
+    if os.path.isdir("/proc/sys") and not os.access("/proc/sys", os.W_OK):
+        return Path("/proc/sys")
+    pytest.skip("no directory root cannot write to on this machine")
+
+
+@pytest.mark.parametrize("flag", ["--autotune_log_file", "--autotune_best_file"])
+def test_an_output_in_a_directory_the_user_cannot_write_exits_2(flag, tmp_path, capsys):
+    # The log failed as the service started, under its usage text; the best-file only at
+    # completion, after the whole tuning run, as an error on the service's stderr.
+    directory = _unwritable_directory(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        parse([flag, str(directory / "out"), "train.py"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"directory {str(directory)!r} is not writable" in err
 
 
 def test_symlinked_log_path_is_refused(tmp_path, capsys):
