@@ -107,7 +107,7 @@ def test_a_script_failing_before_wrapping_is_not_said_to_wrap_no_model(launch, t
     before getting there (a bad path, an import error)."""
     script = tmp_path / "fails_early.py"
     script.write_text("import sys\nsys.exit(5)\n")
-    run = launch(["--nproc_per_node", "1", "--autotune_level", "1", str(script)])
+    run = launch(["--nproc_per_node", "2", "--autotune_level", "1", str(script)])
     assert run.wait(timeout=60) == 5
     assert (
         "distune: no model registered with the tuning service: nothing was tuned (the job "
@@ -116,7 +116,7 @@ def test_a_script_failing_before_wrapping_is_not_said_to_wrap_no_model(launch, t
     assert "wrapped no model" not in run.output
     # Stopped before the script wrapped anything: not said to have wrapped none either.
     script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(60)\n")
-    run = launch(["--nproc_per_node", "1", "--autotune_level", "1", str(script)])
+    run = launch(["--nproc_per_node", "2", "--autotune_level", "1", str(script)])
     run.wait_for("^ready", timeout=60)
     run.process.send_signal(signal.SIGTERM)
     assert run.wait(timeout=60) == 128 + signal.SIGTERM
@@ -160,6 +160,22 @@ def test_level_0_starts_no_service(launch, tmp_path):
     assert not log.exists()
     # The default 2^25 is clamped to the model's 1.004 MiB of gradients: one bucket of 2^21.
     assert "bucket 2^21 B (2 MiB), flat" in run.output
+
+
+def test_one_rank_at_level_1_trains_untuned_and_says_why(launch, tmp_path):
+    # It sampled groups on noise (nothing is exchanged) and claimed a gain within it.
+    script = tmp_path / "one_rank.py"
+    script.write_text("import os\nprint('level', os.environ['DISTUNE_AUTOTUNE_LEVEL'], "
+                      "'service', os.environ.get('DISTUNE_SERVICE_URL'))\n")  # fmt: skip
+    run = launch(["--autotune_level", "1", str(script)])
+    assert run.wait(timeout=60) == 0, run.output
+    assert "level 1 service None" in run.output
+    assert (
+        "distune-run: note: this job has one rank (--nnodes 1, --nproc_per_node 1), which "
+        "exchanges no gradients, so level 1 has nothing to tune and no service starts: it "
+        "trains untuned, as at --autotune_level 0"
+    ) in run.output
+    assert "tuning service" not in run.output
 
 
 def test_config_fixing_every_knob_runs_without_service(launch, tmp_path):

@@ -34,10 +34,12 @@ from distune.launcher.level2 import (
     trial_world,
 )
 from distune.launcher.options import (
+    ONE_RANK,
     AutotuneOptions,
     OptionError,
     check_training_script,
     local_world_size,
+    one_rank,
     parse,
     trial_pins,
     unused_tuning_flags,
@@ -95,8 +97,9 @@ def _level2(
         return 0
     os.environ.update(chosen.settings.to_env())
     args = argparse.Namespace(**{**vars(args), "training_script_args": chosen.script_args})
-    # Level 1 tunes distune's DDP (ddp and zero1); FSDP's communication is its own.
-    level = 1 if chosen.stage < 2 else 0
+    # Level 1 tunes distune's DDP (ddp and zero1); FSDP's communication is its own, and one
+    # rank has none.
+    level = 1 if chosen.stage < 2 and not one_rank(args) else 0
     return args, replace(options, autotune_level=level), plan.for_run(level)
 
 
@@ -199,6 +202,22 @@ def _stop_service(
         print(line, flush=True)
 
 
+def _one_rank_note(args: Any, options: AutotuneOptions) -> str | None:
+    """What a job of one rank does at level 1 or 2 instead of tuning its communication; None
+    for any other job, and where no training follows the trials."""
+    if options.autotune_level == 0 or not one_rank(args):
+        return None
+    if options.autotune_level == 1:
+        return f"{ONE_RANK}: it trains untuned, as at --autotune_level 0"
+    if options.autotune_mode == "tune":
+        return None
+    return (
+        "this job has one rank (--nnodes 1, --nproc_per_node 1), which exchanges no "
+        "gradients: level 2 runs its trials, and the chosen configuration then trains with no "
+        "level-1 tuning"
+    )
+
+
 def _port_hint(plan: LaunchPlan) -> str:
     """Why a service of a fixed port may not have started: the port is taken (on several
     nodes, by a second launcher given --node_rank 0 on this machine, say)."""
@@ -228,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     for caveat in (restart_caveat(args), unused):
         if caveat is not None:
             print(f"distune-run: warning: {caveat}", file=sys.stderr)
+    note = _one_rank_note(args, options)
+    if note is not None and unused is None:
+        print(f"distune-run: note: {note}", file=sys.stderr)
     stop_signals = StopSignals()
     stop_signals.install()
 

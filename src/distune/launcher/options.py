@@ -628,13 +628,32 @@ def unused_tuning_flags(
     if tuned or not given:
         return None
     these = "it takes" if len(given) == 1 else "they take"
-    why = (
-        "this job is level 0, the default: ignored; add --autotune_level 1 to tune"
-        if options.autotune_level == 0
-        else "every knob of this job is pinned (--bucket_size, and --[no-]hierarchical_reduce "
-        "where there are several nodes), so nothing is tuned and no service starts: ignored"
-    )
+    if options.autotune_level == 0:
+        why = "this job is level 0, the default: ignored; add --autotune_level 1 to tune"
+    elif one_rank(args):
+        why = f"{ONE_RANK}: ignored"
+    else:
+        why = (
+            "every knob of this job is pinned (--bucket_size, and --[no-]hierarchical_reduce "
+            "where there are several nodes), so nothing is tuned and no service starts: ignored"
+        )
     return f"{', '.join(given)}: {these} effect only where a job is tuned, and {why}"
+
+
+#: Why a job of one rank is not tuned at level 1 (:func:`one_rank`).
+ONE_RANK = (
+    "this job has one rank (--nnodes 1, --nproc_per_node 1), which exchanges no gradients, so "
+    "level 1 has nothing to tune and no service starts"
+)
+
+
+def one_rank(args: argparse.Namespace) -> bool:
+    """Whether the job runs one rank, and can never run more (no ``--nnodes`` range above one
+    node). Its gradients go to no other rank, so the communication knobs cannot change its
+    speed: tuning them would only measure noise and report a gain where there is none (a
+    1-rank run claimed +129 % +- 550 %). An elastic job that may grow is tuned as it runs."""
+    _, max_nodes = parse_min_max_nnodes(args.nnodes)
+    return max_nodes == 1 and local_world_size(args) == 1
 
 
 def local_world_size(args: argparse.Namespace) -> int:

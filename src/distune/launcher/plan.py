@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from torch.distributed.run import parse_min_max_nnodes
 
-from distune.launcher.options import AutotuneOptions, OptionError, local_world_size
+from distune.launcher.options import AutotuneOptions, OptionError, local_world_size, one_rank
 from distune.launcher.placement import ServicePlacement, place_service
 from distune.service_auth import SERVICE_TOKEN_FILE, TokenError, token_from_environment
 from distune.space import DEFAULT_BUCKET_SIZE, bucket_size_2p_for
@@ -135,8 +135,8 @@ def _job_token(multi_node: bool) -> str:
 
 def plan_trials(args: argparse.Namespace, options: AutotuneOptions) -> LaunchPlan:
     """Level 2: the service coordinates the trials, so it runs even where every level-1 knob
-    is pinned; the workers' settings are level 1's (:meth:`LaunchPlan.for_run` sets the level
-    the winner trains with)."""
+    is pinned (or the job has one rank); the workers' settings are level 1's
+    (:meth:`LaunchPlan.for_run` sets the level the winner trains with)."""
     plan = plan_launch(args, replace(options, autotune_level=1))
     if plan.placement is not None:
         return plan
@@ -162,7 +162,7 @@ def plan_launch(args: argparse.Namespace, options: AutotuneOptions) -> LaunchPla
     all_fixed = options.bucket_size is not None and (
         options.hierarchical_reduce is not None or not _hierarchical_possible(args)
     )
-    if options.autotune_level == 0 or all_fixed:
+    if options.autotune_level == 0 or all_fixed or one_rank(args):
         # Nothing to tune: the workers run the fixed (or default) group and no service exists.
         return LaunchPlan(placement=None, service_args=(), token=None, settings=settings)
 

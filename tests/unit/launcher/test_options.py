@@ -413,7 +413,7 @@ def test_tuning_flags_at_level_0_are_named_as_ignored(tmp_path, monkeypatch, fla
     monkeypatch.chdir(tmp_path)
 
     def unused(*argv):
-        args, options = parse([*argv, "t.py"])
+        args, options = parse(["--nproc_per_node", "2", *argv, "t.py"])
         tuned = plan_launch(args, options).placement is not None
         return unused_tuning_flags(args, options, tuned)
 
@@ -422,6 +422,12 @@ def test_tuning_flags_at_level_0_are_named_as_ignored(tmp_path, monkeypatch, fla
         "ignored; add --autotune_level 1 to tune"
     )
     assert unused("--autotune_level", "1", *flags) is None
+    # One rank (torchrun's default) has nothing to tune: said so, not "every knob is pinned".
+    one_rank = parse(["--nproc_per_node", "1", "--autotune_level", "1", *flags, "t.py"])
+    assert unused_tuning_flags(*one_rank, tuned=False).endswith(
+        "and this job has one rank (--nnodes 1, --nproc_per_node 1), which exchanges no "
+        "gradients, so level 1 has nothing to tune and no service starts: ignored"
+    )
     # At level 1 with every knob pinned (one node: the bucket size), nothing is tuned either.
     assert unused("--autotune_level", "1", "--bucket_size", "4096", *flags).endswith(
         "every knob of this job is pinned (--bucket_size, and --[no-]hierarchical_reduce where "

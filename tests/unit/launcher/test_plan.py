@@ -13,7 +13,9 @@ from tests.support.local_host import free_port_pair
 
 
 def plan(*argv, env=None, monkeypatch=None):
-    args, options = parse([*argv, "train.py"])
+    """The plan of ``argv``, on two ranks unless it says otherwise (one rank is not tuned)."""
+    ranks = [] if "--nproc_per_node" in argv else ["--nproc_per_node", "2"]
+    args, options = parse([*ranks, *argv, "train.py"])
     return plan_launch(args, options)
 
 
@@ -86,6 +88,23 @@ def test_every_knob_fixed_means_no_service():
     )  # fmt: skip
     assert multi.placement is None
     assert multi.settings.hierarchical_reduce is True
+
+
+def test_one_rank_is_not_tuned(monkeypatch):
+    # One rank exchanges no gradients: a 1-rank level-1 run sampled 5 groups on noise and
+    # reported "+129.0% +- 550.1% (within the noise)". Workers keep level 1 without a service.
+    for ranks in (("--nproc_per_node", "1"), ("--nproc_per_node", "1", "--nnodes", "1:1")):
+        launch = plan(*ranks, "--autotune_level", "1")
+        assert launch.placement is None
+        assert launch.settings == WorkerSettings(autotune_level=1)
+        assert not launch.settings.tuning
+    # An elastic job that may grow to two nodes is tuned as it runs.
+    monkeypatch.setenv("DISTUNE_SERVICE_TOKEN", "s3cret")
+    elastic = plan(
+        "--nproc_per_node", "1", "--nnodes", "1:2", "--autotune_level", "1",
+        "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:29400",
+    )  # fmt: skip
+    assert elastic.starts_service
 
 
 def test_multi_node_bucket_fixed_still_tunes_hierarchical(monkeypatch):
