@@ -184,9 +184,12 @@ def test_config_fixing_every_knob_runs_without_service(launch, tmp_path):
     # torchrun's --virtual-local-rank (newer torch) gives every worker LOCAL_RANK=0: the
     # wrapper still runs.
     virtual = [flag for flag in ["--virtual-local-rank"] if flag in TORCHRUN_FLAGS]
+    # A DISTUNE_SERVICE_URL exported for `distune status` reached the workers, which
+    # reported to it ("tuning service at http://127.0.0.1:9 cannot be reached").
     run = launch(
         ["--nproc_per_node", "2", *virtual, "--autotune_config", str(config),
-         *SMALL_MLP, "--seconds", "4"]
+         *SMALL_MLP, "--seconds", "4"],
+        env={"DISTUNE_SERVICE_URL": "http://127.0.0.1:9"},
     )  # fmt: skip
     assert run.wait(timeout=60) == 0, run.output
     groups = [line.split("(", 1)[1] for line in run.output.splitlines() if line.startswith("step ")]

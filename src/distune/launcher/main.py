@@ -45,7 +45,13 @@ from distune.launcher.options import (
     unused_tuning_flags,
 )
 from distune.launcher.placement import port_taken
-from distune.launcher.plan import LaunchPlan, plan_launch, plan_trials, restart_caveat
+from distune.launcher.plan import (
+    LaunchPlan,
+    plan_launch,
+    plan_trials,
+    restart_caveat,
+    take_over_environment,
+)
 from distune.launcher.progress import ProgressMonitor
 from distune.launcher.service_process import ServiceStartError, TuningServiceProcess
 from distune.launcher.stop_signals import StopSignals
@@ -244,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         return planned
     args, options, plan = planned
     unused = unused_tuning_flags(args, options, tuned=plan.placement is not None)
-    for caveat in (restart_caveat(args), unused):
+    for caveat in (*take_over_environment(plan.settings, os.environ), restart_caveat(args), unused):
         if caveat is not None:
             print(f"distune-run: warning: {caveat}", file=sys.stderr)
     note = _one_rank_note(args, options)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field, replace
 
 from torch.distributed.run import parse_min_max_nnodes
@@ -20,7 +21,17 @@ from distune.launcher.options import AutotuneOptions, OptionError, local_world_s
 from distune.launcher.placement import ServicePlacement, place_service
 from distune.service_auth import SERVICE_TOKEN_FILE, TokenError, token_from_environment
 from distune.space import DEFAULT_BUCKET_SIZE, bucket_size_2p_for
-from distune.worker_settings import SERVICE_TOKEN, SYNC_INTERVAL, SettingsError, WorkerSettings
+from distune.worker_settings import (
+    AUTOTUNE_LEVEL,
+    BUCKET_SIZE,
+    DEFAULT_BUCKET_SIZE_VAR,
+    HIERARCHICAL_REDUCE,
+    SERVICE_TOKEN,
+    SYNC_INTERVAL,
+    VARIABLES,
+    SettingsError,
+    WorkerSettings,
+)
 
 #: Where ``--is_output_autotune_log`` puts the log (with an unpredictable name), as Bagua does.
 DEFAULT_LOG_DIR = "/tmp"
@@ -86,6 +97,40 @@ def _service_args(options: AutotuneOptions, placement: ServicePlacement) -> tupl
     if fixed:
         argv += ["--fixed", *fixed]
     return tuple(argv)
+
+
+#: The flag that sets each worker variable a user may have exported by hand.
+_FLAG_OF = {
+    AUTOTUNE_LEVEL: "--autotune_level",
+    BUCKET_SIZE: "--bucket_size",
+    HIERARCHICAL_REDUCE: "--[no-]hierarchical_reduce",
+    DEFAULT_BUCKET_SIZE_VAR: "--default_bucket_size",
+}
+
+
+def take_over_environment(settings: WorkerSettings, environ: MutableMapping[str, str]) -> list[str]:
+    """Remove from ``environ`` (the workers' inheritance) the ``DISTUNE_*`` worker variables
+    ``settings`` leaves unset; the warnings for those a user set to what the workers will not
+    get. The launcher alone tells workers how to tune: a ``DISTUNE_SERVICE_URL`` exported for
+    ``distune status`` made the workers of a job that starts no service (one rank, every knob
+    pinned) report to that old address, and a ``DISTUNE_BUCKET_SIZE`` left from a torchrun
+    experiment pinned the workers' buckets while the service tuned them (every answer outside
+    the pinned space: nothing tuned, the job on 1 KiB buckets). ``DISTUNE_SYNC_INTERVAL``
+    passes on: the settings carry it."""
+    given = settings.to_env()
+    warnings = []
+    for name in VARIABLES:
+        value = environ.get(name)
+        if value is None or given.get(name) == value:
+            continue
+        if name in _FLAG_OF:
+            warnings.append(
+                f"{name}={value} in the environment does not reach the workers: distune-run "
+                f"sets their DISTUNE_* variables from its own flags; use {_FLAG_OF[name]}"
+            )
+        if name not in given:
+            del environ[name]
+    return warnings
 
 
 #: The setting with which torch's c10d rendezvous gives workers a store of their own.

@@ -7,7 +7,12 @@ import pytest
 from distune.launcher.main import main
 from distune.launcher.options import OptionError, parse
 from distune.launcher.placement import is_local_address, is_wildcard_address
-from distune.launcher.plan import UNSHARED_STORE, plan_launch, restart_caveat
+from distune.launcher.plan import (
+    UNSHARED_STORE,
+    plan_launch,
+    restart_caveat,
+    take_over_environment,
+)
 from distune.worker_settings import WorkerSettings
 from tests.support.local_host import free_port_pair
 
@@ -105,6 +110,35 @@ def test_one_rank_is_not_tuned(monkeypatch):
         "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:29400",
     )  # fmt: skip
     assert elastic.starts_service
+
+
+def test_worker_variables_in_the_launchers_environment_are_the_launchers_to_set():
+    # A DISTUNE_SERVICE_URL exported for `distune status` sent the workers of a job that starts
+    # no service to that address ("cannot be reached ... retrying"); a DISTUNE_BUCKET_SIZE
+    # left from a torchrun run pinned 1 KiB buckets while the service tuned (each answer
+    # "outside the model's search space"); DISTUNE_AUTOTUNE_LEVEL=1 silently ran level 0.
+    environ = {
+        "DISTUNE_SERVICE_URL": "http://127.0.0.1:9",
+        "DISTUNE_SERVICE_TOKEN": "old",
+        "DISTUNE_BUCKET_SIZE": "1024",
+        "DISTUNE_AUTOTUNE_LEVEL": "1",
+        "DISTUNE_SYNC_INTERVAL": "0.5",
+        "PATH": "/bin",
+    }
+    pinned = plan("--autotune_level", "1", "--bucket_size", "65536")
+    warnings = take_over_environment(pinned.settings, environ)
+    assert "DISTUNE_SERVICE_URL" not in environ and "DISTUNE_SERVICE_TOKEN" not in environ
+    # What the workers read once the launcher adds its settings: its own, nothing else.
+    assert WorkerSettings.from_env({**environ, **pinned.settings.to_env()}) == pinned.settings
+    assert environ["PATH"] == "/bin"
+    assert warnings == [
+        "DISTUNE_BUCKET_SIZE=1024 in the environment does not reach the workers: distune-run "
+        "sets their DISTUNE_* variables from its own flags; use --bucket_size"
+    ]
+    environ = {"DISTUNE_AUTOTUNE_LEVEL": "1", "DISTUNE_BUCKET_SIZE": "65536"}
+    (warning,) = take_over_environment(plan("--bucket_size", "65536").settings, environ)
+    assert warning.startswith("DISTUNE_AUTOTUNE_LEVEL=1 in the environment does not reach")
+    assert warning.endswith("use --autotune_level")
 
 
 def test_multi_node_bucket_fixed_still_tunes_hierarchical(monkeypatch):
