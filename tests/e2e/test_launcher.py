@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import signal
+import stat
 import time
 from urllib.parse import urlsplit
 
@@ -12,6 +14,7 @@ import pytest
 import requests
 from torch.distributed.run import get_args_parser
 
+from distune.cli.main import main as distune_command
 from tests.support.launcher_process import FAST_TUNING, isolated_rendezvous, processes_with
 from tests.support.local_host import port_is_free
 
@@ -73,14 +76,24 @@ def test_main_job_tunes_writes_log_and_leaves_nothing_behind(launch, tmp_path):
     assert port_is_free(urlsplit(url).port)
 
 
-def test_sigterm_mid_run_stops_workers_and_service(launch):
+def test_sigterm_mid_run_stops_workers_and_service(launch, capsys):
     run = launch(["--nproc_per_node", "2", "--autotune_level", "1", *SMALL_MLP, "--seconds", "120"])
     url = run.service_url()
+    # The job's own random token was never shown: distune status and the dashboard could not
+    # be used on it. It is handed over in a file of the user's, named with the command.
+    token_file = run.wait_for(
+        rf"^distune: watch it with: distune status --watch --service {url} --token-file (\S+) ",
+        timeout=10,
+    ).group(1)
+    assert stat.S_IMODE(os.stat(token_file).st_mode) == 0o600
     run.wait_for(r"^step \d+", timeout=60)  # the workers are training
+    assert distune_command(["status", "--service", url, "--token-file", token_file]) == 0
+    assert capsys.readouterr().out.startswith("MODEL ")
     run.process.send_signal(signal.SIGTERM)
     assert run.wait(timeout=60) == 128 + signal.SIGTERM
     assert run.leftovers() == []
     assert port_is_free(urlsplit(url).port)
+    assert not os.path.exists(token_file)
 
 
 def test_failing_worker_fails_the_launch_and_stops_the_service(launch):

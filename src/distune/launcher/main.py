@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch.distributed.run as torchrun
@@ -208,6 +210,27 @@ def _stop_service(
         print(line, flush=True)
 
 
+def _warn_before_start(args: Any, options: AutotuneOptions, plan: LaunchPlan) -> None:
+    """Say what in the command or the environment will not do what it seems to (stderr)."""
+    unused = unused_tuning_flags(args, options, tuned=plan.placement is not None)
+    for caveat in (*take_over_environment(plan.settings, os.environ), restart_caveat(args), unused):
+        if caveat is not None:
+            print(f"distune-run: warning: {caveat}", file=sys.stderr)
+    note = _one_rank_note(args, options)
+    if note is not None and unused is None:
+        print(f"distune-run: note: {note}", file=sys.stderr)
+
+
+def _token_file(token: str) -> Path:
+    """A new file holding ``token``, which only this user may read (as ``distune status
+    --token-file`` requires): the job's own random token is never printed, so without it
+    the views could not be used on a single-node job."""
+    fd, name = tempfile.mkstemp(prefix="distune_token_")  # mode 0600
+    with os.fdopen(fd, "w", encoding="ascii") as file:
+        file.write(token + "\n")
+    return Path(name)
+
+
 def _one_rank_note(args: Any, options: AutotuneOptions) -> str | None:
     """What a job of one rank does at level 1 or 2 instead of tuning its communication; None
     for any other job, and where no training follows the trials."""
@@ -249,19 +272,14 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(planned, int):
         return planned
     args, options, plan = planned
-    unused = unused_tuning_flags(args, options, tuned=plan.placement is not None)
-    for caveat in (*take_over_environment(plan.settings, os.environ), restart_caveat(args), unused):
-        if caveat is not None:
-            print(f"distune-run: warning: {caveat}", file=sys.stderr)
-    note = _one_rank_note(args, options)
-    if note is not None and unused is None:
-        print(f"distune-run: note: {note}", file=sys.stderr)
+    _warn_before_start(args, options, plan)
     stop_signals = StopSignals()
     stop_signals.install()
 
     service: TuningServiceProcess | None = None
     monitor: ProgressMonitor | None = None
     exit_code: int | None = None
+    token_file: Path | None = None
 
     def emergency_stop() -> None:
         if service is not None:
@@ -269,10 +287,19 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if plan.starts_service:
-            assert plan.token is not None
-            service = TuningServiceProcess.start(list(plan.service_args), plan.token)
+            token = plan.token
+            assert token is not None
+            service = TuningServiceProcess.start(list(plan.service_args), token)
             plan = plan.with_service_port(service.port)
             print(f"distune: tuning service at {service.url} (pid {service.pid})", flush=True)
+            if plan.token_made_here:
+                token_file = _token_file(token)
+                print(
+                    f"distune: watch it with: distune status --watch --service {service.url} "
+                    f"--token-file {token_file} (the job's token, readable by you alone, "
+                    "removed when the job ends; the dashboard at the service's URL asks for it)",
+                    flush=True,
+                )
             monitor = ProgressMonitor(service, quiet=options.autotune_quiet)
             monitor.start()
         # Threads start only now: the service's start-up (preexec_fn) needs a thread-free fork.
@@ -290,3 +317,5 @@ def main(argv: list[str] | None = None) -> int:
         stop_signals.cleanup_started()
         if service is not None:
             _stop_service(service, monitor, options, exit_code)
+        if token_file is not None:
+            token_file.unlink(missing_ok=True)

@@ -45,6 +45,9 @@ class LaunchPlan:
     service_args: tuple[str, ...]
     token: str | None = field(repr=False)  # never in a log line
     settings: WorkerSettings
+    #: The token is a random one made for this job (a single-node job given none): the user
+    #: cannot know it, so the launcher hands it over in a file of theirs.
+    token_made_here: bool = False
 
     @property
     def starts_service(self) -> bool:
@@ -158,8 +161,9 @@ def restart_caveat(args: argparse.Namespace) -> str | None:
     )
 
 
-def _job_token(multi_node: bool) -> str:
-    """The token the user gave, or a random one for a single-node job.
+def _job_token(multi_node: bool) -> tuple[str, bool]:
+    """The token the user gave, or a random one for a single-node job; and whether it is a
+    random one.
 
     A multi-node job needs the same token on every node, and its service listens on the network,
     so there a missing token is an error rather than something to make up.
@@ -169,13 +173,13 @@ def _job_token(multi_node: bool) -> str:
     except TokenError as error:
         raise OptionError(str(error)) from None
     if token is not None:
-        return token
+        return token, False
     if multi_node:
         raise OptionError(
             f"multi-node tuning needs {SERVICE_TOKEN} or {SERVICE_TOKEN_FILE} set to the same "
             "secret on every node (the service is reachable from the network)"
         )
-    return secrets.token_urlsafe(32)
+    return secrets.token_urlsafe(32), True
 
 
 def plan_trials(args: argparse.Namespace, options: AutotuneOptions) -> LaunchPlan:
@@ -186,12 +190,13 @@ def plan_trials(args: argparse.Namespace, options: AutotuneOptions) -> LaunchPla
     if plan.placement is not None:
         return plan
     placement = place_service(args, options)
-    token = _job_token(placement.multi_node)
+    token, made_here = _job_token(placement.multi_node)
     return LaunchPlan(
         placement=placement,
         service_args=_service_args(options, placement) if placement.hosted_here else (),
         token=token,
         settings=replace(plan.settings, service_url=placement.url, service_token=token),
+        token_made_here=made_here,
     )
 
 
@@ -212,9 +217,13 @@ def plan_launch(args: argparse.Namespace, options: AutotuneOptions) -> LaunchPla
         return LaunchPlan(placement=None, service_args=(), token=None, settings=settings)
 
     placement = place_service(args, options)
-    token = _job_token(placement.multi_node)
+    token, made_here = _job_token(placement.multi_node)
     settings = replace(settings, service_url=placement.url, service_token=token)
     service_args = _service_args(options, placement) if placement.hosted_here else ()
     return LaunchPlan(
-        placement=placement, service_args=service_args, token=token, settings=settings
+        placement=placement,
+        service_args=service_args,
+        token=token,
+        settings=settings,
+        token_made_here=made_here,
     )

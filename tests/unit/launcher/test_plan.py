@@ -55,6 +55,7 @@ def test_single_node_level_1_hosts_service_on_loopback_free_port_with_random_tok
     assert launch.settings.service_token == launch.token
     other = plan("--nproc_per_node", "2", "--autotune_level", "1")
     assert other.token != launch.token
+    assert launch.token_made_here  # handed over in a file: the user cannot know it
 
 
 def test_service_arguments_carry_the_tuning_settings(tmp_path):
@@ -339,6 +340,7 @@ def test_token_file_serves_a_multi_node_job(tmp_path, monkeypatch):
     # DISTUNE_SERVICE_TOKEN wins, as in the distune commands.
     monkeypatch.setenv("DISTUNE_SERVICE_TOKEN", "env-token")
     assert plan(*MULTI, "--master_addr", "127.0.0.1").token == "env-token"
+    assert not launch.token_made_here  # the user's own: no file of it is written
 
 
 @pytest.mark.parametrize(
