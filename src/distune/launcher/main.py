@@ -284,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     def emergency_stop() -> None:
         if service is not None:
             service.stop()
+        if token_file is not None:
+            token_file.unlink(missing_ok=True)
 
     try:
         if plan.starts_service:
