@@ -159,9 +159,11 @@ def test_service_outlives_a_worker_restart(launch):
 
 def test_level_0_starts_no_service(launch, tmp_path):
     # A log asked for at level 0 (--autotune_level 1 forgotten) is never written: said so.
+    # A DISTUNE_TRIAL_DIR left in the shell made every rank a level-2 trial's: the job ended
+    # after seven steps with exit code 0, having printed nothing.
     log = tmp_path / "never.log"
     run = launch(["--nproc_per_node", "2", "--autotune_log_file", str(log), *SMALL_MLP,
-                  "--steps", "200"])  # fmt: skip
+                  "--steps", "200"], env={"DISTUNE_TRIAL_DIR": str(tmp_path)})  # fmt: skip
     run.wait_for(r"^(step|done)", timeout=60)
     assert all(b"distune.tuning_service" not in _cmdline(pid) for pid in _family(run))
     assert run.wait(timeout=60) == 0, run.output
@@ -171,6 +173,10 @@ def test_level_0_starts_no_service(launch, tmp_path):
         "and this job is level 0, the default: ignored; add --autotune_level 1 to tune"
     ) in run.output
     assert not log.exists()
+    assert f"DISTUNE_TRIAL_DIR={tmp_path} in the environment does not reach the workers" in (
+        run.output
+    )
+    assert "done: 200 steps" in run.output
     # The default 2^25 is clamped to the model's 1.004 MiB of gradients: one bucket of 2^21.
     assert "bucket 2^21 B (2 MiB), flat" in run.output
 

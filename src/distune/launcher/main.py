@@ -49,6 +49,7 @@ from distune.launcher.options import (
 from distune.launcher.placement import port_taken
 from distune.launcher.plan import (
     LaunchPlan,
+    drop_trial_variables,
     plan_launch,
     plan_trials,
     restart_caveat,
@@ -210,10 +211,14 @@ def _stop_service(
         print(line, flush=True)
 
 
-def _warn_before_start(args: Any, options: AutotuneOptions, plan: LaunchPlan) -> None:
-    """Say what in the command or the environment will not do what it seems to (stderr)."""
+def _warn_before_start(
+    args: Any, options: AutotuneOptions, plan: LaunchPlan, dropped: list[str]
+) -> None:
+    """Say what in the command or the environment will not do what it seems to (stderr);
+    ``dropped``: the warnings of :func:`drop_trial_variables`."""
     unused = unused_tuning_flags(args, options, tuned=plan.placement is not None)
-    for caveat in (*take_over_environment(plan.settings, os.environ), restart_caveat(args), unused):
+    stale = [*dropped, *take_over_environment(plan.settings, os.environ)]
+    for caveat in (*stale, restart_caveat(args), unused):
         if caveat is not None:
             print(f"distune-run: warning: {caveat}", file=sys.stderr)
     note = _one_rank_note(args, options)
@@ -268,11 +273,12 @@ def _port_hint(plan: LaunchPlan) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run one job; returns the exit code (the workers', 2 for bad flags)."""
     argv = sys.argv[1:] if argv is None else argv
+    dropped = drop_trial_variables(os.environ)  # before the plan sets its own
     planned = _plan(argv)
     if isinstance(planned, int):
         return planned
     args, options, plan = planned
-    _warn_before_start(args, options, plan)
+    _warn_before_start(args, options, plan, dropped)
     stop_signals = StopSignals()
     stop_signals.install()
 

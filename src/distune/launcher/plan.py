@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from torch.distributed.run import parse_min_max_nnodes
 
+from distune import trial_settings
 from distune.launcher.options import AutotuneOptions, OptionError, local_world_size, one_rank
 from distune.launcher.placement import ServicePlacement, place_service
 from distune.service_auth import SERVICE_TOKEN_FILE, TokenError, token_from_environment
@@ -133,6 +134,39 @@ def take_over_environment(settings: WorkerSettings, environ: MutableMapping[str,
             )
         if name not in given:
             del environ[name]
+    return warnings
+
+
+#: Where each level-2 variable comes from, for a user who exported it by hand.
+_SOURCE_OF_TRIAL_VARIABLE = {
+    trial_settings.MICRO_BATCH: "use train_micro_batch_size_per_gpu in --autotune_config",
+    trial_settings.ACCUMULATION: "use gradient_accumulation_steps in --autotune_config",
+    trial_settings.ZERO_STAGE: "use zero_optimization.stage in --autotune_config",
+    trial_settings.CHECKPOINTING: "use activation_checkpointing in --autotune_config",
+    trial_settings.BF16: "use bf16 in --autotune_config",
+    trial_settings.DEVICE_MEMORY: "use --autotune_device_memory",
+}
+
+
+def drop_trial_variables(environ: MutableMapping[str, str]) -> list[str]:
+    """Remove level 2's ``DISTUNE_*`` variables from ``environ`` before the launcher sets its
+    own (a trial's, the pins of a best_config.json); a warning for each one found. A
+    ``DISTUNE_TRIAL_DIR`` left in a shell (from re-running a trial's command by hand) made
+    every rank of an ordinary run a trial's: it wrote its result there and ended after seven
+    steps with exit code 0, having printed nothing; a stale ``DISTUNE_MICRO_BATCH`` would
+    silently change the batch of a script using ``distune.prepare``."""
+    warnings = []
+    for name in trial_settings.VARIABLES:
+        value = environ.pop(name, None)
+        if value is None:
+            continue
+        source = _SOURCE_OF_TRIAL_VARIABLE.get(
+            name, "it is set for the ranks of a level-2 trial, which distune-run starts itself"
+        )
+        warnings.append(
+            f"{name}={value} in the environment does not reach the workers: distune-run sets "
+            f"their DISTUNE_* variables from its own flags and config; {source}"
+        )
     return warnings
 
 

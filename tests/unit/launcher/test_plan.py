@@ -9,6 +9,7 @@ from distune.launcher.options import OptionError, parse
 from distune.launcher.placement import is_local_address, is_wildcard_address
 from distune.launcher.plan import (
     UNSHARED_STORE,
+    drop_trial_variables,
     plan_launch,
     restart_caveat,
     take_over_environment,
@@ -140,6 +141,20 @@ def test_worker_variables_in_the_launchers_environment_are_the_launchers_to_set(
     (warning,) = take_over_environment(plan("--bucket_size", "65536").settings, environ)
     assert warning.startswith("DISTUNE_AUTOTUNE_LEVEL=1 in the environment does not reach")
     assert warning.endswith("use --autotune_level")
+
+
+def test_level_2_variables_in_the_launchers_environment_are_dropped():
+    environ = {"DISTUNE_TRIAL_DIR": "/tmp/t", "DISTUNE_MICRO_BATCH": "3", "PATH": "/bin"}
+    warnings = drop_trial_variables(environ)
+    assert environ == {"PATH": "/bin"}
+    assert warnings == [
+        "DISTUNE_MICRO_BATCH=3 in the environment does not reach the workers: distune-run sets "
+        "their DISTUNE_* variables from its own flags and config; use "
+        "train_micro_batch_size_per_gpu in --autotune_config",
+        "DISTUNE_TRIAL_DIR=/tmp/t in the environment does not reach the workers: distune-run "
+        "sets their DISTUNE_* variables from its own flags and config; it is set for the ranks "
+        "of a level-2 trial, which distune-run starts itself",
+    ]
 
 
 def test_multi_node_bucket_fixed_still_tunes_hierarchical(monkeypatch):
