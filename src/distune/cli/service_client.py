@@ -23,6 +23,7 @@ from distune.service_auth import (
     SERVICE_TOKEN_FILE,
     TokenError,
     bearer_headers,
+    direct_session,
     read_token_file,
     token_from_environment,
 )
@@ -91,9 +92,10 @@ class ServiceConnection:
 
     def _request(self, path: str) -> requests.Response:
         try:
-            return requests.get(
-                self.url + path, headers=bearer_headers(self.token), timeout=self.timeout
-            )
+            with direct_session() as session:
+                return session.get(
+                    self.url + path, headers=bearer_headers(self.token), timeout=self.timeout
+                )
         except requests.RequestException as error:
             raise ServiceError(
                 f"cannot reach the tuning service at {self.url}: {_reason(error)}"

@@ -31,7 +31,7 @@ from urllib.parse import quote, urlsplit
 import requests
 
 from distune.errors import DistuneError
-from distune.service_auth import bearer_headers
+from distune.service_auth import bearer_headers, direct_session
 from distune.worker_settings import SERVICE_TOKEN
 
 HEALTH_PATH = "/api/v1/health"
@@ -86,6 +86,7 @@ class TuningServiceProcess:
     ):
         self._process = process
         self._token = token
+        self._http = direct_session()
         self.url = announcement.url
         self.log_file = announcement.log_file
         assert process.stderr is not None
@@ -172,7 +173,7 @@ class TuningServiceProcess:
 
     def _get(self, path: str, timeout: float) -> requests.Response | None:
         try:
-            response = requests.get(
+            response = self._http.get(
                 self.url + path,
                 headers=bearer_headers(self._token),
                 timeout=timeout,
@@ -187,12 +188,13 @@ class TuningServiceProcess:
         diagnostics are on the launcher's stderr when this returns."""
         _terminate(self._process, timeout)
         self._diagnostics.join(timeout)
+        self._http.close()
         return self._process.returncode
 
     def _wait_healthy(self, deadline: float) -> None:
         while True:
             try:
-                if requests.get(self.url + HEALTH_PATH, timeout=2.0).ok:
+                if self._http.get(self.url + HEALTH_PATH, timeout=2.0).ok:
                     return
             except requests.RequestException:
                 pass
