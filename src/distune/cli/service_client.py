@@ -97,8 +97,18 @@ class ServiceConnection:
                     self.url + path, headers=bearer_headers(self.token), timeout=self.timeout
                 )
         except requests.RequestException as error:
+            hint = ""
+            if self.url.startswith("https:") and isinstance(
+                error, requests.Timeout | requests.exceptions.SSLError
+            ):
+                # The service itself speaks plain HTTP: a TLS handshake sent to it is read as
+                # the start of a request, which never ends, so the wait times out.
+                hint = (
+                    "; the service itself serves http:// (https only through a TLS proxy in "
+                    "front of it)"
+                )
             raise ServiceError(
-                f"cannot reach the tuning service at {self.url}: {_reason(error)}"
+                f"cannot reach the tuning service at {self.url}: {_reason(error)}{hint}"
             ) from None
 
     def _checked(self, response: requests.Response, path: str) -> requests.Response:

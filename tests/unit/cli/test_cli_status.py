@@ -140,6 +140,17 @@ def test_the_service_is_reached_directly_whatever_proxy_the_environment_names(
     assert "bert" in capsys.readouterr().out
 
 
+def test_https_to_the_plain_http_service_says_it_serves_http(server):
+    # The TLS handshake is read as the start of a request that never ends: "no answer in
+    # time", as if the service hung.
+    https = ServiceConnection(server.url.replace("http:", "https:"), TOKEN, timeout=0.5)
+    with pytest.raises(ServiceError) as error:
+        https.status()
+    assert str(error.value).endswith(
+        "; the service itself serves http:// (https only through a TLS proxy in front of it)"
+    )
+
+
 def test_the_token_can_come_from_a_private_file(server, monkeypatch, tmp_path, capsys):
     path = tmp_path / "token"
     path.write_text(TOKEN + "\n")
