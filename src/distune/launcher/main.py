@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import tempfile
 from dataclasses import replace
@@ -304,8 +305,9 @@ def main(argv: list[str] | None = None) -> int:
                 token_file = _token_file(token)
                 print(
                     f"distune: watch it with: distune status --watch --service {service.url} "
-                    f"--token-file {token_file} (the job's token, readable by you alone, "
-                    "removed when the job ends; the dashboard at the service's URL asks for it)",
+                    f"--token-file {shlex.quote(str(token_file))} (the job's token, readable "
+                    "by you alone, removed when the job ends; the dashboard at the service's "
+                    "URL asks for it)",
                     flush=True,
                 )
             monitor = ProgressMonitor(service, quiet=options.autotune_quiet)
