@@ -18,9 +18,13 @@ import os
 import stat
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from distune.errors import DistuneError
 from distune.worker_settings import SERVICE_TOKEN
+
+if TYPE_CHECKING:
+    import requests
 
 #: A file holding the service's token (first line), for when the environment should not.
 SERVICE_TOKEN_FILE = "DISTUNE_SERVICE_TOKEN_FILE"
@@ -66,6 +70,25 @@ def read_token_file(path: str | os.PathLike[str]) -> str:
 def bearer_headers(token: str | None) -> dict[str, str]:
     """The HTTP headers that present ``token`` to the service: none without a token."""
     return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def direct_session() -> requests.Session:
+    """A ``requests`` session for the tuning service, which reaches it directly: it ignores
+    the environment's proxies (``http_proxy``, ``https_proxy``, ``all_proxy``) and ``.netrc``
+    (which would replace the bearer header), keeping only its CA bundle
+    (``REQUESTS_CA_BUNDLE``, ``CURL_CA_BUNDLE``) for a service behind a TLS proxy. The service
+    is on the job's own network (loopback on one node), which a proxy set for the internet
+    cannot reach: with ``http_proxy`` set and no ``no_proxy``, the launcher's health checks
+    went to the proxy and the job failed after a minute, and the workers would have handed
+    the proxy their token."""
+    import requests  # the service's own modules never need it
+
+    session = requests.Session()
+    session.trust_env = False
+    session.verify = (
+        os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
+    )
+    return session
 
 
 def token_from_environment(environ: Mapping[str, str]) -> str | None:

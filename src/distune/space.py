@@ -25,8 +25,10 @@ MIN_TUNED_BUCKET_SIZE_2P = 16
 BUCKET_SIZE_2P_LIMITS = (0, 48)
 
 #: Model names as both the service and the runtime accept them: safe in URLs, logs and CSV.
-MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
-MODEL_NAME_RULE = "1-64 characters of [A-Za-z0-9._-]"
+#: Not "." or "..": HTTP clients (requests, a browser's fetch) remove such a path segment, so
+#: ``/api/v1/models/../register`` went to ``/api/v1/register`` and the model was never tuned.
+MODEL_NAME_PATTERN = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,64}")
+MODEL_NAME_RULE = "1-64 characters of [A-Za-z0-9._-], other than . and .."
 
 BUCKET_SIZE_2P = "bucket_size_2p"
 IS_HIERARCHICAL_REDUCE = "is_hierarchical_reduce"

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import signal
+import stat
 import time
 from urllib.parse import urlsplit
 
@@ -12,6 +14,7 @@ import pytest
 import requests
 from torch.distributed.run import get_args_parser
 
+from distune.cli.main import main as distune_command
 from tests.support.launcher_process import FAST_TUNING, isolated_rendezvous, processes_with
 from tests.support.local_host import port_is_free
 
@@ -73,14 +76,24 @@ def test_main_job_tunes_writes_log_and_leaves_nothing_behind(launch, tmp_path):
     assert port_is_free(urlsplit(url).port)
 
 
-def test_sigterm_mid_run_stops_workers_and_service(launch):
+def test_sigterm_mid_run_stops_workers_and_service(launch, capsys):
     run = launch(["--nproc_per_node", "2", "--autotune_level", "1", *SMALL_MLP, "--seconds", "120"])
     url = run.service_url()
+    # The job's own random token was never shown: distune status and the dashboard could not
+    # be used on it. It is handed over in a file of the user's, named with the command.
+    token_file = run.wait_for(
+        rf"^distune: watch it with: distune status --watch --service {url} --token-file (\S+) ",
+        timeout=10,
+    ).group(1)
+    assert stat.S_IMODE(os.stat(token_file).st_mode) == 0o600
     run.wait_for(r"^step \d+", timeout=60)  # the workers are training
+    assert distune_command(["status", "--service", url, "--token-file", token_file]) == 0
+    assert capsys.readouterr().out.startswith("MODEL ")
     run.process.send_signal(signal.SIGTERM)
     assert run.wait(timeout=60) == 128 + signal.SIGTERM
     assert run.leftovers() == []
     assert port_is_free(urlsplit(url).port)
+    assert not os.path.exists(token_file)
 
 
 def test_failing_worker_fails_the_launch_and_stops_the_service(launch):
@@ -107,7 +120,7 @@ def test_a_script_failing_before_wrapping_is_not_said_to_wrap_no_model(launch, t
     before getting there (a bad path, an import error)."""
     script = tmp_path / "fails_early.py"
     script.write_text("import sys\nsys.exit(5)\n")
-    run = launch(["--nproc_per_node", "1", "--autotune_level", "1", str(script)])
+    run = launch(["--nproc_per_node", "2", "--autotune_level", "1", str(script)])
     assert run.wait(timeout=60) == 5
     assert (
         "distune: no model registered with the tuning service: nothing was tuned (the job "
@@ -116,7 +129,7 @@ def test_a_script_failing_before_wrapping_is_not_said_to_wrap_no_model(launch, t
     assert "wrapped no model" not in run.output
     # Stopped before the script wrapped anything: not said to have wrapped none either.
     script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(60)\n")
-    run = launch(["--nproc_per_node", "1", "--autotune_level", "1", str(script)])
+    run = launch(["--nproc_per_node", "2", "--autotune_level", "1", str(script)])
     run.wait_for("^ready", timeout=60)
     run.process.send_signal(signal.SIGTERM)
     assert run.wait(timeout=60) == 128 + signal.SIGTERM
@@ -146,9 +159,11 @@ def test_service_outlives_a_worker_restart(launch):
 
 def test_level_0_starts_no_service(launch, tmp_path):
     # A log asked for at level 0 (--autotune_level 1 forgotten) is never written: said so.
+    # A DISTUNE_TRIAL_DIR left in the shell made every rank a level-2 trial's: the job ended
+    # after seven steps with exit code 0, having printed nothing.
     log = tmp_path / "never.log"
     run = launch(["--nproc_per_node", "2", "--autotune_log_file", str(log), *SMALL_MLP,
-                  "--steps", "200"])  # fmt: skip
+                  "--steps", "200"], env={"DISTUNE_TRIAL_DIR": str(tmp_path)})  # fmt: skip
     run.wait_for(r"^(step|done)", timeout=60)
     assert all(b"distune.tuning_service" not in _cmdline(pid) for pid in _family(run))
     assert run.wait(timeout=60) == 0, run.output
@@ -158,8 +173,28 @@ def test_level_0_starts_no_service(launch, tmp_path):
         "and this job is level 0, the default: ignored; add --autotune_level 1 to tune"
     ) in run.output
     assert not log.exists()
+    assert f"DISTUNE_TRIAL_DIR={tmp_path} in the environment does not reach the workers" in (
+        run.output
+    )
+    assert "done: 200 steps" in run.output
     # The default 2^25 is clamped to the model's 1.004 MiB of gradients: one bucket of 2^21.
     assert "bucket 2^21 B (2 MiB), flat" in run.output
+
+
+def test_one_rank_at_level_1_trains_untuned_and_says_why(launch, tmp_path):
+    # It sampled groups on noise (nothing is exchanged) and claimed a gain within it.
+    script = tmp_path / "one_rank.py"
+    script.write_text("import os\nprint('level', os.environ['DISTUNE_AUTOTUNE_LEVEL'], "
+                      "'service', os.environ.get('DISTUNE_SERVICE_URL'))\n")  # fmt: skip
+    run = launch(["--autotune_level", "1", str(script)])
+    assert run.wait(timeout=60) == 0, run.output
+    assert "level 1 service None" in run.output
+    assert (
+        "distune-run: note: this job has one rank (--nnodes 1, --nproc_per_node 1), which "
+        "exchanges no gradients, so level 1 has nothing to tune and no service starts: it "
+        "trains untuned, as at --autotune_level 0"
+    ) in run.output
+    assert "tuning service" not in run.output
 
 
 def test_config_fixing_every_knob_runs_without_service(launch, tmp_path):
@@ -168,9 +203,12 @@ def test_config_fixing_every_knob_runs_without_service(launch, tmp_path):
     # torchrun's --virtual-local-rank (newer torch) gives every worker LOCAL_RANK=0: the
     # wrapper still runs.
     virtual = [flag for flag in ["--virtual-local-rank"] if flag in TORCHRUN_FLAGS]
+    # A DISTUNE_SERVICE_URL exported for `distune status` reached the workers, which
+    # reported to it ("tuning service at http://127.0.0.1:9 cannot be reached").
     run = launch(
         ["--nproc_per_node", "2", *virtual, "--autotune_config", str(config),
-         *SMALL_MLP, "--seconds", "4"]
+         *SMALL_MLP, "--seconds", "4"],
+        env={"DISTUNE_SERVICE_URL": "http://127.0.0.1:9"},
     )  # fmt: skip
     assert run.wait(timeout=60) == 0, run.output
     groups = [line.split("(", 1)[1] for line in run.output.splitlines() if line.startswith("step ")]

@@ -104,3 +104,34 @@ def test_a_full_tuning_run_over_http_finds_the_peak(start_service, tmp_path):
     assert len({row["sample"] for row in rows[:-1]}) == status["samples"]
     assert service.get("/api/v1/models/model0/log").text == log_file.read_text()
     assert service.stop() == 0
+
+
+@pytest.mark.timeout(60)
+def test_the_launcher_says_in_one_line_why_its_service_did_not_start(capfd):
+    # A log in a directory the user cannot write (sysfs refuses new files, root included): the
+    # service's argparse usage text came above the launcher's line, which gave only the code.
+    from distune.launcher.service_process import ServiceStartError, TuningServiceProcess
+
+    with pytest.raises(ServiceStartError) as error:
+        TuningServiceProcess.start(["--port", "0", "--log-file", "/sys/distune.log"], TOKEN)
+    assert str(error.value).startswith("cannot write the tuning log to /sys/distune.log: ")
+    assert capfd.readouterr().err == ""
+
+
+@pytest.mark.timeout(60)
+def test_the_launchers_service_passes_its_diagnostics_on(capfd, tmp_path, monkeypatch):
+    from distune.launcher.service_process import TuningServiceProcess
+
+    # A cluster's http_proxy (no no_proxy) took the health checks to the proxy: the launch
+    # failed after a minute, "did not answer health checks". The service is reached directly.
+    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    service = TuningServiceProcess.start(
+        ["--port", "0", "--log-dir", str(tmp_path), "--log-level", "info"], TOKEN
+    )
+    assert service.status() == {"models": {}}
+    assert service.stop() == 0
+    # Logged once the service listens: it reaches the launcher's stderr through the pipe.
+    assert f"tuning log: {service.log_file}" in capfd.readouterr().err

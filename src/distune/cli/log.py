@@ -1,12 +1,14 @@
 """``distune log LOG``: a summary of a CSV tuning log, one row per model, printed by pandas.
 
 For each model: whether tuning completed, how many groups were sampled, the best group (the
-chosen one once completed) with its score and gain over the default group, the default group's
-score, the seconds of training the samples measured, and the training iteration at which the
-choice was made. ``--samples`` adds each model's samples, one row each. Every gain shown
-divides by one score, the default group's as the tuner judged it last (the log's own
-``gain_vs_default`` of a row divided by the default's score as it stood when that row was
-logged, often its first sample alone), and the line above the samples says which.
+chosen one once completed; until then the highest single sample, marked, since the log holds
+no pooled score to judge by as the tuner does) with its score and gain over the default
+group, the default group's score, the seconds of training the samples measured, and the
+training iteration at which the choice was made. ``--samples`` adds each model's samples,
+one row each. Every gain shown divides by one score, the default group's as the tuner judged
+it last (the log's own ``gain_vs_default`` of a row divided by the default's score as it
+stood when that row was logged, often its first sample alone), and the line above the
+samples says which.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def summary(runs: list[ModelRun]) -> pd.DataFrame:
                 "samples": run.samples["sample"].nunique(),
                 "best group": describe_hyperparameters(
                     best["bucket_size_2p"], best["is_hierarchical_reduce"]
-                ),
+                )
+                + ("" if run.choice is not None else f" {TOP_SAMPLE_MARK}"),
                 "score": format_rate(best["score"]),
                 "gain vs default": format_gain(run.gain_of(best["score"])),
                 "default score": format_rate(run.default_score),
@@ -66,6 +69,27 @@ def summary(runs: list[ModelRun]) -> pd.DataFrame:
             }
         )
     return pd.DataFrame(rows)
+
+
+#: Marks a best group that is the highest single sample, not a choice (:func:`top_sample_notes`).
+TOP_SAMPLE_MARK = "*"
+
+
+def top_sample_notes(runs: list[ModelRun]) -> list[str]:
+    """What the mark on a best group says, for the kinds of run that have it: a run with no
+    choice shows its highest single sample, while ``distune status``' best is the tuner's own
+    pick (each group's samples pooled, groups measured twice preferred), which the log
+    cannot compute: the two can name different groups until tuning completes."""
+    notes = []
+    if any(run.choice is None and run.source != "bagua" for run in runs):
+        notes.append(
+            f"{TOP_SAMPLE_MARK} not completed: the highest single sample so far; the tuner's "
+            "own pick (distune status' BEST) pools each group's samples and prefers groups "
+            "measured twice, so it can be another group until tuning completes"
+        )
+    if any(run.source == "bagua" for run in runs):
+        notes.append(f"{TOP_SAMPLE_MARK} a Bagua log records no choice: the highest sample")
+    return notes
 
 
 def _state(run: ModelRun) -> str:
@@ -121,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
         heading += f", {len(runs)} registrations"
     print(f"tuning log {args.log}: {heading}", file=out)
     print(to_text(summary(runs)), file=out)
+    for note in top_sample_notes(runs):
+        print(note, file=out)
     if args.samples:
         for model_run in runs:
             print(f"\n{model_run.name}: {gain_base(model_run)}", file=out)

@@ -23,6 +23,7 @@ from distune.service_auth import (
     SERVICE_TOKEN_FILE,
     TokenError,
     bearer_headers,
+    direct_session,
     read_token_file,
     token_from_environment,
 )
@@ -91,12 +92,23 @@ class ServiceConnection:
 
     def _request(self, path: str) -> requests.Response:
         try:
-            return requests.get(
-                self.url + path, headers=bearer_headers(self.token), timeout=self.timeout
-            )
+            with direct_session() as session:
+                return session.get(
+                    self.url + path, headers=bearer_headers(self.token), timeout=self.timeout
+                )
         except requests.RequestException as error:
+            hint = ""
+            if self.url.startswith("https:") and isinstance(
+                error, requests.Timeout | requests.exceptions.SSLError
+            ):
+                # The service itself speaks plain HTTP: a TLS handshake sent to it is read as
+                # the start of a request, which never ends, so the wait times out.
+                hint = (
+                    "; the service itself serves http:// (https only through a TLS proxy in "
+                    "front of it)"
+                )
             raise ServiceError(
-                f"cannot reach the tuning service at {self.url}: {_reason(error)}"
+                f"cannot reach the tuning service at {self.url}: {_reason(error)}{hint}"
             ) from None
 
     def _checked(self, response: requests.Response, path: str) -> requests.Response:

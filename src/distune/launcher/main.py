@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch.distributed.run as torchrun
@@ -34,16 +37,25 @@ from distune.launcher.level2 import (
     trial_world,
 )
 from distune.launcher.options import (
+    ONE_RANK,
     AutotuneOptions,
     OptionError,
     check_training_script,
     local_world_size,
+    one_rank,
     parse,
     trial_pins,
     unused_tuning_flags,
 )
 from distune.launcher.placement import port_taken
-from distune.launcher.plan import LaunchPlan, plan_launch, plan_trials, restart_caveat
+from distune.launcher.plan import (
+    LaunchPlan,
+    drop_trial_variables,
+    plan_launch,
+    plan_trials,
+    restart_caveat,
+    take_over_environment,
+)
 from distune.launcher.progress import ProgressMonitor
 from distune.launcher.service_process import ServiceStartError, TuningServiceProcess
 from distune.launcher.stop_signals import StopSignals
@@ -95,8 +107,9 @@ def _level2(
         return 0
     os.environ.update(chosen.settings.to_env())
     args = argparse.Namespace(**{**vars(args), "training_script_args": chosen.script_args})
-    # Level 1 tunes distune's DDP (ddp and zero1); FSDP's communication is its own.
-    level = 1 if chosen.stage < 2 else 0
+    # Level 1 tunes distune's DDP (ddp and zero1); FSDP's communication is its own, and one
+    # rank has none.
+    level = 1 if chosen.stage < 2 and not one_rank(args) else 0
     return args, replace(options, autotune_level=level), plan.for_run(level)
 
 
@@ -199,6 +212,47 @@ def _stop_service(
         print(line, flush=True)
 
 
+def _warn_before_start(
+    args: Any, options: AutotuneOptions, plan: LaunchPlan, dropped: list[str]
+) -> None:
+    """Say what in the command or the environment will not do what it seems to (stderr);
+    ``dropped``: the warnings of :func:`drop_trial_variables`."""
+    unused = unused_tuning_flags(args, options, tuned=plan.placement is not None)
+    stale = [*dropped, *take_over_environment(plan.settings, os.environ)]
+    for caveat in (*stale, restart_caveat(args), unused):
+        if caveat is not None:
+            print(f"distune-run: warning: {caveat}", file=sys.stderr)
+    note = _one_rank_note(args, options)
+    if note is not None and unused is None:
+        print(f"distune-run: note: {note}", file=sys.stderr)
+
+
+def _token_file(token: str) -> Path:
+    """A new file holding ``token``, which only this user may read (as ``distune status
+    --token-file`` requires): the job's own random token is never printed, so without it
+    the views could not be used on a single-node job."""
+    fd, name = tempfile.mkstemp(prefix="distune_token_")  # mode 0600
+    with os.fdopen(fd, "w", encoding="ascii") as file:
+        file.write(token + "\n")
+    return Path(name)
+
+
+def _one_rank_note(args: Any, options: AutotuneOptions) -> str | None:
+    """What a job of one rank does at level 1 or 2 instead of tuning its communication; None
+    for any other job, and where no training follows the trials."""
+    if options.autotune_level == 0 or not one_rank(args):
+        return None
+    if options.autotune_level == 1:
+        return f"{ONE_RANK}: it trains untuned, as at --autotune_level 0"
+    if options.autotune_mode == "tune":
+        return None
+    return (
+        "this job has one rank (--nnodes 1, --nproc_per_node 1), which exchanges no "
+        "gradients: level 2 runs its trials, and the chosen configuration then trains with no "
+        "level-1 tuning"
+    )
+
+
 def _port_hint(plan: LaunchPlan) -> str:
     """Why a service of a fixed port may not have started: the port is taken (on several
     nodes, by a second launcher given --node_rank 0 on this machine, say)."""
@@ -220,31 +274,42 @@ def _port_hint(plan: LaunchPlan) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run one job; returns the exit code (the workers', 2 for bad flags)."""
     argv = sys.argv[1:] if argv is None else argv
+    dropped = drop_trial_variables(os.environ)  # before the plan sets its own
     planned = _plan(argv)
     if isinstance(planned, int):
         return planned
     args, options, plan = planned
-    unused = unused_tuning_flags(args, options, tuned=plan.placement is not None)
-    for caveat in (restart_caveat(args), unused):
-        if caveat is not None:
-            print(f"distune-run: warning: {caveat}", file=sys.stderr)
+    _warn_before_start(args, options, plan, dropped)
     stop_signals = StopSignals()
     stop_signals.install()
 
     service: TuningServiceProcess | None = None
     monitor: ProgressMonitor | None = None
     exit_code: int | None = None
+    token_file: Path | None = None
 
     def emergency_stop() -> None:
         if service is not None:
             service.stop()
+        if token_file is not None:
+            token_file.unlink(missing_ok=True)
 
     try:
         if plan.starts_service:
-            assert plan.token is not None
-            service = TuningServiceProcess.start(list(plan.service_args), plan.token)
+            token = plan.token
+            assert token is not None
+            service = TuningServiceProcess.start(list(plan.service_args), token)
             plan = plan.with_service_port(service.port)
             print(f"distune: tuning service at {service.url} (pid {service.pid})", flush=True)
+            if plan.token_made_here:
+                token_file = _token_file(token)
+                print(
+                    f"distune: watch it with: distune status --watch --service {service.url} "
+                    f"--token-file {shlex.quote(str(token_file))} (the job's token, readable "
+                    "by you alone, removed when the job ends; the dashboard at the service's "
+                    "URL asks for it)",
+                    flush=True,
+                )
             monitor = ProgressMonitor(service, quiet=options.autotune_quiet)
             monitor.start()
         # Threads start only now: the service's start-up (preexec_fn) needs a thread-free fork.
@@ -262,3 +327,5 @@ def main(argv: list[str] | None = None) -> int:
         stop_signals.cleanup_started()
         if service is not None:
             _stop_service(service, monitor, options, exit_code)
+        if token_file is not None:
+            token_file.unlink(missing_ok=True)

@@ -109,7 +109,8 @@ def _bool(value: Any) -> bool:
 
 
 def _output_path(value: Any) -> Path:
-    """A file to create: its directory must exist, and it must not be a symlink."""
+    """A file to create: its directory must exist and be writable, and it must not be a
+    symlink."""
     if not isinstance(value, str | Path) or not str(value).strip():
         raise InvalidValue(f"must be a file path, got {value!r}")
     path = Path(value).expanduser()
@@ -122,6 +123,12 @@ def _output_path(value: Any) -> Path:
     if path.exists() and not path.is_file():
         # /dev/null, a FIFO: the service refuses them as it starts, with its own usage text.
         raise InvalidValue(f"{str(path)!r} is not a regular file")
+    # The best-file replaces itself through a new file beside it, so the directory must take
+    # one: caught here, not by the service's start (the log) or at completion (the best-file).
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise InvalidValue(f"directory {str(path.parent)!r} is not writable")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise InvalidValue(f"{str(path)!r} is not writable")
     return path
 
 
@@ -621,13 +628,32 @@ def unused_tuning_flags(
     if tuned or not given:
         return None
     these = "it takes" if len(given) == 1 else "they take"
-    why = (
-        "this job is level 0, the default: ignored; add --autotune_level 1 to tune"
-        if options.autotune_level == 0
-        else "every knob of this job is pinned (--bucket_size, and --[no-]hierarchical_reduce "
-        "where there are several nodes), so nothing is tuned and no service starts: ignored"
-    )
+    if options.autotune_level == 0:
+        why = "this job is level 0, the default: ignored; add --autotune_level 1 to tune"
+    elif one_rank(args):
+        why = f"{ONE_RANK}: ignored"
+    else:
+        why = (
+            "every knob of this job is pinned (--bucket_size, and --[no-]hierarchical_reduce "
+            "where there are several nodes), so nothing is tuned and no service starts: ignored"
+        )
     return f"{', '.join(given)}: {these} effect only where a job is tuned, and {why}"
+
+
+#: Why a job of one rank is not tuned at level 1 (:func:`one_rank`).
+ONE_RANK = (
+    "this job has one rank (--nnodes 1, --nproc_per_node 1), which exchanges no gradients, so "
+    "level 1 has nothing to tune and no service starts"
+)
+
+
+def one_rank(args: argparse.Namespace) -> bool:
+    """Whether the job runs one rank, and can never run more (no ``--nnodes`` range above one
+    node). Its gradients go to no other rank, so the communication knobs cannot change its
+    speed: tuning them would only measure noise and report a gain where there is none (a
+    1-rank run claimed +129 % +- 550 %). An elastic job that may grow is tuned as it runs."""
+    _, max_nodes = parse_min_max_nnodes(args.nnodes)
+    return max_nodes == 1 and local_world_size(args) == 1
 
 
 def local_world_size(args: argparse.Namespace) -> int:

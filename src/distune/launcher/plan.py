@@ -12,15 +12,27 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field, replace
 
 from torch.distributed.run import parse_min_max_nnodes
 
-from distune.launcher.options import AutotuneOptions, OptionError, local_world_size
+from distune import trial_settings
+from distune.launcher.options import AutotuneOptions, OptionError, local_world_size, one_rank
 from distune.launcher.placement import ServicePlacement, place_service
 from distune.service_auth import SERVICE_TOKEN_FILE, TokenError, token_from_environment
 from distune.space import DEFAULT_BUCKET_SIZE, bucket_size_2p_for
-from distune.worker_settings import SERVICE_TOKEN, SYNC_INTERVAL, SettingsError, WorkerSettings
+from distune.worker_settings import (
+    AUTOTUNE_LEVEL,
+    BUCKET_SIZE,
+    DEFAULT_BUCKET_SIZE_VAR,
+    HIERARCHICAL_REDUCE,
+    SERVICE_TOKEN,
+    SYNC_INTERVAL,
+    VARIABLES,
+    SettingsError,
+    WorkerSettings,
+)
 
 #: Where ``--is_output_autotune_log`` puts the log (with an unpredictable name), as Bagua does.
 DEFAULT_LOG_DIR = "/tmp"
@@ -34,6 +46,9 @@ class LaunchPlan:
     service_args: tuple[str, ...]
     token: str | None = field(repr=False)  # never in a log line
     settings: WorkerSettings
+    #: The token is a random one made for this job (a single-node job given none): the user
+    #: cannot know it, so the launcher hands it over in a file of theirs.
+    token_made_here: bool = False
 
     @property
     def starts_service(self) -> bool:
@@ -88,6 +103,73 @@ def _service_args(options: AutotuneOptions, placement: ServicePlacement) -> tupl
     return tuple(argv)
 
 
+#: The flag that sets each worker variable a user may have exported by hand.
+_FLAG_OF = {
+    AUTOTUNE_LEVEL: "--autotune_level",
+    BUCKET_SIZE: "--bucket_size",
+    HIERARCHICAL_REDUCE: "--[no-]hierarchical_reduce",
+    DEFAULT_BUCKET_SIZE_VAR: "--default_bucket_size",
+}
+
+
+def take_over_environment(settings: WorkerSettings, environ: MutableMapping[str, str]) -> list[str]:
+    """Remove from ``environ`` (the workers' inheritance) the ``DISTUNE_*`` worker variables
+    ``settings`` leaves unset; the warnings for those a user set to what the workers will not
+    get. The launcher alone tells workers how to tune: a ``DISTUNE_SERVICE_URL`` exported for
+    ``distune status`` made the workers of a job that starts no service (one rank, every knob
+    pinned) report to that old address, and a ``DISTUNE_BUCKET_SIZE`` left from a torchrun
+    experiment pinned the workers' buckets while the service tuned them (every answer outside
+    the pinned space: nothing tuned, the job on 1 KiB buckets). ``DISTUNE_SYNC_INTERVAL``
+    passes on: the settings carry it."""
+    given = settings.to_env()
+    warnings = []
+    for name in VARIABLES:
+        value = environ.get(name)
+        if value is None or given.get(name) == value:
+            continue
+        if name in _FLAG_OF:
+            warnings.append(
+                f"{name}={value} in the environment does not reach the workers: distune-run "
+                f"sets their DISTUNE_* variables from its own flags; use {_FLAG_OF[name]}"
+            )
+        if name not in given:
+            del environ[name]
+    return warnings
+
+
+#: Where each level-2 variable comes from, for a user who exported it by hand.
+_SOURCE_OF_TRIAL_VARIABLE = {
+    trial_settings.MICRO_BATCH: "use train_micro_batch_size_per_gpu in --autotune_config",
+    trial_settings.ACCUMULATION: "use gradient_accumulation_steps in --autotune_config",
+    trial_settings.ZERO_STAGE: "use zero_optimization.stage in --autotune_config",
+    trial_settings.CHECKPOINTING: "use activation_checkpointing in --autotune_config",
+    trial_settings.BF16: "use bf16 in --autotune_config",
+    trial_settings.DEVICE_MEMORY: "use --autotune_device_memory",
+}
+
+
+def drop_trial_variables(environ: MutableMapping[str, str]) -> list[str]:
+    """Remove level 2's ``DISTUNE_*`` variables from ``environ`` before the launcher sets its
+    own (a trial's, the pins of a best_config.json); a warning for each one found. A
+    ``DISTUNE_TRIAL_DIR`` left in a shell (from re-running a trial's command by hand) made
+    every rank of an ordinary run a trial's: it wrote its result there and ended after seven
+    steps with exit code 0, having printed nothing; a stale ``DISTUNE_MICRO_BATCH`` would
+    silently change the batch of a script using ``distune.prepare``."""
+    warnings = []
+    for name in trial_settings.VARIABLES:
+        value = environ.pop(name, None)
+        if value is None:
+            continue
+        source = _SOURCE_OF_TRIAL_VARIABLE.get(
+            name, "it is set for the ranks of a level-2 trial, which distune-run starts itself"
+        )
+        warnings.append(
+            f"{name}={value} in the environment does not reach the workers: distune-run sets "
+            f"their DISTUNE_* variables from its own flags and config; {source}"
+        )
+    return warnings
+
+
 #: The setting with which torch's c10d rendezvous gives workers a store of their own.
 UNSHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
@@ -113,8 +195,9 @@ def restart_caveat(args: argparse.Namespace) -> str | None:
     )
 
 
-def _job_token(multi_node: bool) -> str:
-    """The token the user gave, or a random one for a single-node job.
+def _job_token(multi_node: bool) -> tuple[str, bool]:
+    """The token the user gave, or a random one for a single-node job; and whether it is a
+    random one.
 
     A multi-node job needs the same token on every node, and its service listens on the network,
     so there a missing token is an error rather than something to make up.
@@ -124,29 +207,30 @@ def _job_token(multi_node: bool) -> str:
     except TokenError as error:
         raise OptionError(str(error)) from None
     if token is not None:
-        return token
+        return token, False
     if multi_node:
         raise OptionError(
             f"multi-node tuning needs {SERVICE_TOKEN} or {SERVICE_TOKEN_FILE} set to the same "
             "secret on every node (the service is reachable from the network)"
         )
-    return secrets.token_urlsafe(32)
+    return secrets.token_urlsafe(32), True
 
 
 def plan_trials(args: argparse.Namespace, options: AutotuneOptions) -> LaunchPlan:
     """Level 2: the service coordinates the trials, so it runs even where every level-1 knob
-    is pinned; the workers' settings are level 1's (:meth:`LaunchPlan.for_run` sets the level
-    the winner trains with)."""
+    is pinned (or the job has one rank); the workers' settings are level 1's
+    (:meth:`LaunchPlan.for_run` sets the level the winner trains with)."""
     plan = plan_launch(args, replace(options, autotune_level=1))
     if plan.placement is not None:
         return plan
     placement = place_service(args, options)
-    token = _job_token(placement.multi_node)
+    token, made_here = _job_token(placement.multi_node)
     return LaunchPlan(
         placement=placement,
         service_args=_service_args(options, placement) if placement.hosted_here else (),
         token=token,
         settings=replace(plan.settings, service_url=placement.url, service_token=token),
+        token_made_here=made_here,
     )
 
 
@@ -162,14 +246,18 @@ def plan_launch(args: argparse.Namespace, options: AutotuneOptions) -> LaunchPla
     all_fixed = options.bucket_size is not None and (
         options.hierarchical_reduce is not None or not _hierarchical_possible(args)
     )
-    if options.autotune_level == 0 or all_fixed:
+    if options.autotune_level == 0 or all_fixed or one_rank(args):
         # Nothing to tune: the workers run the fixed (or default) group and no service exists.
         return LaunchPlan(placement=None, service_args=(), token=None, settings=settings)
 
     placement = place_service(args, options)
-    token = _job_token(placement.multi_node)
+    token, made_here = _job_token(placement.multi_node)
     settings = replace(settings, service_url=placement.url, service_token=token)
     service_args = _service_args(options, placement) if placement.hosted_here else ()
     return LaunchPlan(
-        placement=placement, service_args=service_args, token=token, settings=settings
+        placement=placement,
+        service_args=service_args,
+        token=token,
+        settings=settings,
+        token_made_here=made_here,
     )

@@ -5,31 +5,41 @@ worker restarts and never shares an interpreter with training. It announces its 
 one JSON line on stdout once its socket is bound; the launcher then waits for
 ``/api/v1/health``. On Linux the service also gets SIGTERM if the launcher dies without
 stopping it, so no orphan keeps the port.
+
+Its stderr comes through a pipe: a service that fails before listening (a log path it cannot
+write, a port taken) says why in one line of its own, which becomes the launcher's one-line
+error rather than following the service's usage text; once it listens, a thread copies its
+diagnostics (warnings) to the launcher's stderr as they come.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import os
 import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 from urllib.parse import quote, urlsplit
 
 import requests
 
 from distune.errors import DistuneError
-from distune.service_auth import bearer_headers
+from distune.service_auth import bearer_headers, direct_session
 from distune.worker_settings import SERVICE_TOKEN
 
 HEALTH_PATH = "/api/v1/health"
 STATUS_PATH = "/api/v1/status"
 _PR_SET_PDEATHSIG = 1
+#: How the service starts the one line that says why it could not start: argparse's error
+#: line (a bad setting, a log or best-file it cannot write) and its own (a port it cannot bind).
+_OWN_ERROR_PREFIXES = ("python -m distune.tuning_service: error: ", "distune.tuning_service: ")
 
 
 class ServiceStartError(DistuneError, RuntimeError):
@@ -68,12 +78,25 @@ class TuningServiceProcess:
     """A running ``python -m distune.tuning_service``; use :meth:`start`, then :meth:`stop`."""
 
     def __init__(
-        self, process: subprocess.Popen[str], announcement: ServiceAnnouncement, token: str
+        self,
+        process: subprocess.Popen[str],
+        announcement: ServiceAnnouncement,
+        token: str,
+        said: list[str],
     ):
         self._process = process
         self._token = token
+        self._http = direct_session()
         self.url = announcement.url
         self.log_file = announcement.log_file
+        assert process.stderr is not None
+        self._diagnostics = threading.Thread(
+            target=_copy_lines,
+            args=(said, process.stderr, sys.stderr),
+            name="distune-service-stderr",
+            daemon=True,
+        )
+        self._diagnostics.start()
 
     @classmethod
     def start(
@@ -87,6 +110,7 @@ class TuningServiceProcess:
         process = subprocess.Popen(
             [sys.executable, "-m", "distune.tuning_service", *service_args],
             stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             env=env,
             text=True,
@@ -97,11 +121,18 @@ class TuningServiceProcess:
         )
         try:
             deadline = time.monotonic() + timeout
-            announcement = ServiceAnnouncement.parse(_read_line(process, deadline))
-            service = cls(process, announcement, token)
-            service._wait_healthy(deadline)
+            said: list[str] = []  # its stderr until it listens
+            announcement = ServiceAnnouncement.parse(_read_line(process, deadline, said))
         except BaseException:
             _terminate(process)
+            assert process.stderr is not None
+            process.stderr.close()
+            raise
+        service = cls(process, announcement, token, said)
+        try:
+            service._wait_healthy(deadline)
+        except BaseException:
+            service.stop()
             raise
         return service
 
@@ -142,7 +173,7 @@ class TuningServiceProcess:
 
     def _get(self, path: str, timeout: float) -> requests.Response | None:
         try:
-            response = requests.get(
+            response = self._http.get(
                 self.url + path,
                 headers=bearer_headers(self._token),
                 timeout=timeout,
@@ -153,14 +184,17 @@ class TuningServiceProcess:
         return response
 
     def stop(self, timeout: float = 10.0) -> int | None:
-        """Stop the service (SIGTERM, then SIGKILL after ``timeout``); its exit code."""
+        """Stop the service (SIGTERM, then SIGKILL after ``timeout``); its exit code. Its last
+        diagnostics are on the launcher's stderr when this returns."""
         _terminate(self._process, timeout)
+        self._diagnostics.join(timeout)
+        self._http.close()
         return self._process.returncode
 
     def _wait_healthy(self, deadline: float) -> None:
         while True:
             try:
-                if requests.get(self.url + HEALTH_PATH, timeout=2.0).ok:
+                if self._http.get(self.url + HEALTH_PATH, timeout=2.0).ok:
                     return
             except requests.RequestException:
                 pass
@@ -171,20 +205,53 @@ class TuningServiceProcess:
             time.sleep(0.1)
 
 
-def _read_line(process: subprocess.Popen[str], deadline: float) -> str:
-    assert process.stdout is not None
+def _read_line(process: subprocess.Popen[str], deadline: float, said: list[str]) -> str:
+    """The service's first line on stdout; what it says on stderr meanwhile goes to ``said``."""
+    assert process.stdout is not None and process.stderr is not None
     with selectors.DefaultSelector() as selector:
         selector.register(process.stdout, selectors.EVENT_READ)
+        selector.register(process.stderr, selectors.EVENT_READ)
         while time.monotonic() < deadline:
-            if selector.select(timeout=0.1):
-                line = process.stdout.readline()
-                if line:
-                    return line.strip()
+            for key, _ in selector.select(timeout=0.1):
+                line = key.fileobj.readline()  # type: ignore[union-attr]
+                if not line:
+                    selector.unregister(key.fileobj)
+                elif key.fileobj is process.stdout:
+                    return str(line).strip()
+                else:
+                    said.append(str(line))
             if process.poll() is not None:
-                raise ServiceStartError(
-                    f"the service exited with code {process.returncode} before listening"
-                )
+                said.append(process.stderr.read())  # the rest, up to its exit
+                raise ServiceStartError(_why_it_exited(process.returncode, "".join(said)))
     raise ServiceStartError("the service did not start listening in time")
+
+
+def _why_it_exited(returncode: int, stderr: str) -> str:
+    """The reason a service that exited before listening gives: its own one-line error, without
+    the usage text argparse puts above it. Anything else it wrote (a traceback) is passed on
+    to the launcher's stderr as it is, and the reason is its exit code."""
+    lines = stderr.rstrip().splitlines()
+    last = lines[-1] if lines else ""
+    for prefix in _OWN_ERROR_PREFIXES:
+        if last.startswith(prefix):
+            return last[len(prefix) :]
+    if stderr:
+        sys.stderr.write(stderr if stderr.endswith("\n") else stderr + "\n")
+        sys.stderr.flush()
+    return f"the service exited with code {returncode} before listening"
+
+
+def _copy_lines(said: list[str], stream: IO[str], sink: IO[str]) -> None:
+    """Write ``said`` and then each line of ``stream`` to ``sink`` until the stream ends (the
+    service exited), then close it."""
+    try:
+        for line in itertools.chain(said, stream):
+            sink.write(line)
+            sink.flush()
+    except (OSError, ValueError):
+        pass  # the launcher's stderr is gone (closed at exit): nothing left to tell
+    finally:
+        stream.close()
 
 
 def _terminate(process: subprocess.Popen[str], timeout: float = 10.0) -> None:

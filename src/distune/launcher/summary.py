@@ -61,11 +61,13 @@ def format_summary(
             lines.append(
                 f"  best so far:   {chosen}, {score} (sampling {current} when the job ended)"
             )
+        gain = _gain(best)
         lines.append(
             f"  default group: {format_rate(model.get('default_score'), 'not measured')}; "
-            f"gain {_gain(best)}"
+            f"gain {gain}"
         )
-        if model.get("verdict"):
+        # The service's verdict, unless the gain said it already (the default group leads).
+        if model.get("verdict") and gain != _DEFAULT_LEADS:
             lines.append(f"  {model['verdict']}")
     if status is not None and not lines and exit_code:
         lines.append(
@@ -137,12 +139,16 @@ def _earlier(model: dict[str, Any]) -> list[str]:
     return lines
 
 
+#: The gain where the default group itself leads.
+_DEFAULT_LEADS = "none: the default group is the best measured"
+
+
 def _gain(best: dict[str, Any]) -> str:
     """The gain over the default with its interval's half-width where the service gave one,
     and whether that interval leaves zero out: a gain within the noise is not a gain."""
     if best.get("gain_vs_default") == 0 and best.get("gain_margin") == 0:
         # The default group itself leads: there is no gain, and no interval to give.
-        return "none: the default group is the best measured"
+        return _DEFAULT_LEADS
     gain = format_gain(best.get("gain_vs_default"), "unknown", best.get("gain_margin"))
     if best.get("gain_margin") is None:
         return gain

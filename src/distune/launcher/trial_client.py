@@ -14,7 +14,7 @@ from typing import Any
 import requests
 
 from distune.errors import DistuneError, ServiceError
-from distune.service_auth import bearer_headers
+from distune.service_auth import bearer_headers, direct_session
 
 #: Seconds to wait for one answer; the service answers trial calls in microseconds.
 DEFAULT_TIMEOUT = 5.0
@@ -38,11 +38,12 @@ class TrialClient:
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         try:
-            response = requests.request(
-                method, f"{self.url}/api/v1/trials{path}", json=body,
-                headers=bearer_headers(self.token),
-                timeout=self.timeout,
-            )  # fmt: skip
+            with direct_session() as session:
+                response = session.request(
+                    method, f"{self.url}/api/v1/trials{path}", json=body,
+                    headers=bearer_headers(self.token),
+                    timeout=self.timeout,
+                )  # fmt: skip
         except requests.RequestException as error:
             raise ServiceError(
                 f"cannot reach the tuning service at {self.url}: {type(error).__name__}"

@@ -93,9 +93,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             ``device_mesh``, ``skip_all_reduce_unused_params``, ``batched_grad_copy``,
             ``forward_sync_buffers``): see :mod:`.torch_ddp_arguments` for what each does here
             and which are refused (``mixed_precision``, ``bucket_cap_mb_list``).
-        name: the model's name for the tuning service (1-64 of ``[A-Za-z0-9._-]``). Models
-            given no name (or the default ``model0``) are tuned as ``model0``, ``model1``, ...
-            in construction order; a name given to two live models is an error.
+        name: the model's name for the tuning service (1-64 of ``[A-Za-z0-9._-]``, not ``.``
+            or ``..``). Models given no name (or the default ``model0``) are tuned as
+            ``model0``, ``model1``, ... in construction order; a name given to two live models
+            is an error.
         bucket_size: pin the bucket size (bytes, rounded to a power of two); not tuned.
         hierarchical: pin hierarchical allreduce on or off; not tuned.
         algorithm: how the ranks' models are kept in step (:mod:`distune.algorithms`); default

@@ -39,7 +39,7 @@ from urllib.parse import quote
 import requests
 
 from distune.errors import DistuneError, ServiceError
-from distune.service_auth import bearer_headers
+from distune.service_auth import bearer_headers, direct_session
 from distune.space import (
     MODEL_NAME_RULE,
     FixedKnobs,
@@ -193,7 +193,7 @@ class LeaderClient:
         if self._after is not None:
             self._after.wait_ended(self._config.connect_timeout + self._config.read_timeout + 1)
             self._after = None
-        session = requests.Session()
+        session = direct_session()
         registered = False
         delay = self._config.initial_backoff
         try:

@@ -126,6 +126,31 @@ def test_json_prints_the_raw_status_from_the_environment(server, monkeypatch, ca
     assert out.count("\n") == 1
 
 
+def test_the_service_is_reached_directly_whatever_proxy_the_environment_names(
+    server, monkeypatch, capsys
+):
+    # http_proxy set for the internet, no no_proxy: the request went to the proxy, which
+    # cannot reach the job's service ("cannot reach the tuning service ... connection
+    # refused"), and would have seen the token.
+    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    assert main(["status", "--service", server.url, "--token", TOKEN]) == 0
+    assert "bert" in capsys.readouterr().out
+
+
+def test_https_to_the_plain_http_service_says_it_serves_http(server):
+    # The TLS handshake is read as the start of a request that never ends: "no answer in
+    # time", as if the service hung.
+    https = ServiceConnection(server.url.replace("http:", "https:"), TOKEN, timeout=0.5)
+    with pytest.raises(ServiceError) as error:
+        https.status()
+    assert str(error.value).endswith(
+        "; the service itself serves http:// (https only through a TLS proxy in front of it)"
+    )
+
+
 def test_the_token_can_come_from_a_private_file(server, monkeypatch, tmp_path, capsys):
     path = tmp_path / "token"
     path.write_text(TOKEN + "\n")

@@ -2,6 +2,7 @@
 run (and on copies of it: moved, with Windows line ends, cut short, damaged)."""
 
 import math
+import random
 import shutil
 
 import matplotlib.image
@@ -14,6 +15,7 @@ from distune.tuning_service.config import TuningConfig
 from distune.tuning_service.messages import Registration, Report
 from distune.tuning_service.service import TuningService
 from distune.tuning_service.tuning_log import COLUMNS, TuningLog
+from distune.wording import describe_hyperparameters
 from tests.support.models import SINGLE_NODE_REGISTRATION as FACTS
 from tests.support.service_reports import report
 
@@ -181,6 +183,41 @@ def test_a_run_still_tuning_shows_its_best_sample_so_far(recorded, tmp_path, cap
     assert run.choice is None and run.best["score"] == run.samples["score"].max()
     assert main(["plot", str(partial), "-o", str(tmp_path / "partial.png")]) == 0
     assert (tmp_path / "partial.png").stat().st_size > 10_000
+
+
+def test_an_unfinished_runs_best_says_it_is_a_sample_not_the_tuners_pick(tmp_path, capsys):
+    """On a noisy flat landscape the log's best (the highest single sample, 2^18 at 66 it/s)
+    and distune status' BEST (the tuner's pick: pooled, confirmed groups first, 2^24) named
+    different groups, both as "best": the log's is now marked and the mark explained."""
+    path = tmp_path / "autotune.log"
+    log = TuningLog.create(path)
+    config = TuningConfig(
+        max_samples=8, sampling_confidence_time=1.0, min_windows=2, warmup_time=1.0, seed=0
+    )
+    service = TuningService(config, log)
+    reply, train_iter, rng = (
+        service.register("m", Registration.from_json(FACTS)),
+        0,
+        random.Random(1),
+    )
+    for _ in range(22):  # the job stops before tuning completes
+        iterations = round(60.0 * math.exp(rng.gauss(0.0, 0.08)) * 0.5)
+        train_iter += iterations
+        reply = report(service, "m", reply, train_iter, iterations)
+    log.close()
+    best = service.status()["models"]["m"]["best"]["group"]["hyperparameters"]
+    (run,) = read_log(path)
+    assert run.choice is None
+    assert best["bucket_size_2p"] != run.best["bucket_size_2p"], "the scripted run's premise"
+    assert main(["log", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    top = describe_hyperparameters(run.best["bucket_size_2p"], run.best["is_hierarchical_reduce"])
+    assert f"{top} *" in lines[2]
+    assert lines[3] == (
+        "* not completed: the highest single sample so far; the tuner's own pick (distune "
+        "status' BEST) pools each group's samples and prefers groups measured twice, so it can "
+        "be another group until tuning completes"
+    )
 
 
 @pytest.mark.parametrize(

@@ -70,6 +70,7 @@ def test_launcher_flags_reach_the_service_config_unchanged():
     # Every launcher flag that names a tuning setting: its value, through the service's own
     # command line, becomes that TuningConfig field.
     argv = [
+        "--nproc_per_node", "2",
         "--autotune_level", "1",
         "--autotune_max_samples", "9",
         "--autotune_sampling_confidence_time", "2.5",

@@ -1,6 +1,8 @@
 """distune-run's flags: torchrun's pass through, autotune flags validated, config files merged."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,6 +148,30 @@ def test_invalid_values_exit_2_with_one_line_naming_the_flag(argv, message, caps
     assert err.count("\n") == 1, err
     assert err.startswith("distune-run: error: ")
     assert message in err
+
+
+def _unwritable_directory(tmp_path):
+    """A directory this user cannot create files in: root can in any mode-0500 one."""
+    if os.geteuid() != 0:
+        directory = tmp_path / "read-only"
+        directory.mkdir(mode=0o500)
+        return directory
+    if os.path.isdir("/proc/sys") and not os.access("/proc/sys", os.W_OK):
+        return Path("/proc/sys")
+    pytest.skip("no directory root cannot write to on this machine")
+
+
+@pytest.mark.parametrize("flag", ["--autotune_log_file", "--autotune_best_file"])
+def test_an_output_in_a_directory_the_user_cannot_write_exits_2(flag, tmp_path, capsys):
+    # The log failed as the service started, under its usage text; the best-file only at
+    # completion, after the whole tuning run, as an error on the service's stderr.
+    directory = _unwritable_directory(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        parse([flag, str(directory / "out"), "train.py"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"directory {str(directory)!r} is not writable" in err
 
 
 def test_symlinked_log_path_is_refused(tmp_path, capsys):
@@ -387,7 +413,7 @@ def test_tuning_flags_at_level_0_are_named_as_ignored(tmp_path, monkeypatch, fla
     monkeypatch.chdir(tmp_path)
 
     def unused(*argv):
-        args, options = parse([*argv, "t.py"])
+        args, options = parse(["--nproc_per_node", "2", *argv, "t.py"])
         tuned = plan_launch(args, options).placement is not None
         return unused_tuning_flags(args, options, tuned)
 
@@ -396,6 +422,12 @@ def test_tuning_flags_at_level_0_are_named_as_ignored(tmp_path, monkeypatch, fla
         "ignored; add --autotune_level 1 to tune"
     )
     assert unused("--autotune_level", "1", *flags) is None
+    # One rank (torchrun's default) has nothing to tune: said so, not "every knob is pinned".
+    one_rank = parse(["--nproc_per_node", "1", "--autotune_level", "1", *flags, "t.py"])
+    assert unused_tuning_flags(*one_rank, tuned=False).endswith(
+        "and this job has one rank (--nnodes 1, --nproc_per_node 1), which exchanges no "
+        "gradients, so level 1 has nothing to tune and no service starts: ignored"
+    )
     # At level 1 with every knob pinned (one node: the bucket size), nothing is tuned either.
     assert unused("--autotune_level", "1", "--bucket_size", "4096", *flags).endswith(
         "every knob of this job is pinned (--bucket_size, and --[no-]hierarchical_reduce where "

@@ -7,13 +7,21 @@ import pytest
 from distune.launcher.main import main
 from distune.launcher.options import OptionError, parse
 from distune.launcher.placement import is_local_address, is_wildcard_address
-from distune.launcher.plan import UNSHARED_STORE, plan_launch, restart_caveat
+from distune.launcher.plan import (
+    UNSHARED_STORE,
+    drop_trial_variables,
+    plan_launch,
+    restart_caveat,
+    take_over_environment,
+)
 from distune.worker_settings import WorkerSettings
 from tests.support.local_host import free_port_pair
 
 
 def plan(*argv, env=None, monkeypatch=None):
-    args, options = parse([*argv, "train.py"])
+    """The plan of ``argv``, on two ranks unless it says otherwise (one rank is not tuned)."""
+    ranks = [] if "--nproc_per_node" in argv else ["--nproc_per_node", "2"]
+    args, options = parse([*ranks, *argv, "train.py"])
     return plan_launch(args, options)
 
 
@@ -48,6 +56,7 @@ def test_single_node_level_1_hosts_service_on_loopback_free_port_with_random_tok
     assert launch.settings.service_token == launch.token
     other = plan("--nproc_per_node", "2", "--autotune_level", "1")
     assert other.token != launch.token
+    assert launch.token_made_here  # handed over in a file: the user cannot know it
 
 
 def test_service_arguments_carry_the_tuning_settings(tmp_path):
@@ -86,6 +95,66 @@ def test_every_knob_fixed_means_no_service():
     )  # fmt: skip
     assert multi.placement is None
     assert multi.settings.hierarchical_reduce is True
+
+
+def test_one_rank_is_not_tuned(monkeypatch):
+    # One rank exchanges no gradients: a 1-rank level-1 run sampled 5 groups on noise and
+    # reported "+129.0% +- 550.1% (within the noise)". Workers keep level 1 without a service.
+    for ranks in (("--nproc_per_node", "1"), ("--nproc_per_node", "1", "--nnodes", "1:1")):
+        launch = plan(*ranks, "--autotune_level", "1")
+        assert launch.placement is None
+        assert launch.settings == WorkerSettings(autotune_level=1)
+        assert not launch.settings.tuning
+    # An elastic job that may grow to two nodes is tuned as it runs.
+    monkeypatch.setenv("DISTUNE_SERVICE_TOKEN", "s3cret")
+    elastic = plan(
+        "--nproc_per_node", "1", "--nnodes", "1:2", "--autotune_level", "1",
+        "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:29400",
+    )  # fmt: skip
+    assert elastic.starts_service
+
+
+def test_worker_variables_in_the_launchers_environment_are_the_launchers_to_set():
+    # A DISTUNE_SERVICE_URL exported for `distune status` sent the workers of a job that starts
+    # no service to that address ("cannot be reached ... retrying"); a DISTUNE_BUCKET_SIZE
+    # left from a torchrun run pinned 1 KiB buckets while the service tuned (each answer
+    # "outside the model's search space"); DISTUNE_AUTOTUNE_LEVEL=1 silently ran level 0.
+    environ = {
+        "DISTUNE_SERVICE_URL": "http://127.0.0.1:9",
+        "DISTUNE_SERVICE_TOKEN": "old",
+        "DISTUNE_BUCKET_SIZE": "1024",
+        "DISTUNE_AUTOTUNE_LEVEL": "1",
+        "DISTUNE_SYNC_INTERVAL": "0.5",
+        "PATH": "/bin",
+    }
+    pinned = plan("--autotune_level", "1", "--bucket_size", "65536")
+    warnings = take_over_environment(pinned.settings, environ)
+    assert "DISTUNE_SERVICE_URL" not in environ and "DISTUNE_SERVICE_TOKEN" not in environ
+    # What the workers read once the launcher adds its settings: its own, nothing else.
+    assert WorkerSettings.from_env({**environ, **pinned.settings.to_env()}) == pinned.settings
+    assert environ["PATH"] == "/bin"
+    assert warnings == [
+        "DISTUNE_BUCKET_SIZE=1024 in the environment does not reach the workers: distune-run "
+        "sets their DISTUNE_* variables from its own flags; use --bucket_size"
+    ]
+    environ = {"DISTUNE_AUTOTUNE_LEVEL": "1", "DISTUNE_BUCKET_SIZE": "65536"}
+    (warning,) = take_over_environment(plan("--bucket_size", "65536").settings, environ)
+    assert warning.startswith("DISTUNE_AUTOTUNE_LEVEL=1 in the environment does not reach")
+    assert warning.endswith("use --autotune_level")
+
+
+def test_level_2_variables_in_the_launchers_environment_are_dropped():
+    environ = {"DISTUNE_TRIAL_DIR": "/tmp/t", "DISTUNE_MICRO_BATCH": "3", "PATH": "/bin"}
+    warnings = drop_trial_variables(environ)
+    assert environ == {"PATH": "/bin"}
+    assert warnings == [
+        "DISTUNE_MICRO_BATCH=3 in the environment does not reach the workers: distune-run sets "
+        "their DISTUNE_* variables from its own flags and config; use "
+        "train_micro_batch_size_per_gpu in --autotune_config",
+        "DISTUNE_TRIAL_DIR=/tmp/t in the environment does not reach the workers: distune-run "
+        "sets their DISTUNE_* variables from its own flags and config; it is set for the ranks "
+        "of a level-2 trial, which distune-run starts itself",
+    ]
 
 
 def test_multi_node_bucket_fixed_still_tunes_hierarchical(monkeypatch):
@@ -286,6 +355,7 @@ def test_token_file_serves_a_multi_node_job(tmp_path, monkeypatch):
     # DISTUNE_SERVICE_TOKEN wins, as in the distune commands.
     monkeypatch.setenv("DISTUNE_SERVICE_TOKEN", "env-token")
     assert plan(*MULTI, "--master_addr", "127.0.0.1").token == "env-token"
+    assert not launch.token_made_here  # the user's own: no file of it is written
 
 
 @pytest.mark.parametrize(

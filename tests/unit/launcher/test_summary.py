@@ -118,6 +118,27 @@ def test_the_gain_carries_its_interval_and_says_when_it_is_within_the_noise():
     assert "gain none: the default group is the best measured" in leads and "±" not in leads
 
 
+def test_a_default_group_that_leads_is_said_once():
+    # A completed run printed "gain none: the default group is the best measured" and, on
+    # the next line, the service's verdict "the default group is the fastest measured".
+    best = {"group": GROUP, "score": 10.0, "gain_vs_default": 0.0, "gain_margin": 0.0}
+    model = {"state": "completed", "samples": 4, "max_samples": 4, "current": GROUP}
+    model |= {"best": best, "default_score": 10.0}
+    model |= {"verdict": "the default group is the fastest measured"}
+    lines = format_summary({"models": {"m": model}}, None, None)
+    assert (
+        lines[-1] == "  default group: 10 it/s; gain none: the default group is the best measured"
+    )
+    assert not any("fastest measured" in line for line in lines)
+    # Another verdict adds what the gain does not say: it stays.
+    faster = {**best, "gain_vs_default": 0.1, "gain_margin": 0.02, "measurably_faster": True}
+    verdict = "+10.0% vs the default (95% interval +8.0% to +12.0%)"
+    lines = format_summary(
+        {"models": {"m": {**model, "best": faster, "verdict": verdict}}}, None, None
+    )
+    assert lines[-1] == f"  {verdict}"
+
+
 def test_a_job_that_registered_no_model_says_how_a_model_takes_part():
     (line,) = format_summary({"models": {}}, None, None)
     assert line.startswith("distune: no model registered with the tuning service: nothing was")

@@ -124,7 +124,7 @@ def test_unknown_model_is_404(client):
         assert "nobody" in response.get_json()["error"]
 
 
-@pytest.mark.parametrize("name", ["a" * 65, "has space", "semi;colon", "ünï"])
+@pytest.mark.parametrize("name", ["a" * 65, "has space", "semi;colon", "ünï", ".", ".."])
 def test_invalid_model_names_are_refused(client, name):
     response = client.post(f"/api/v1/models/{name}/register", json=REGISTRATION)
     assert response.status_code == 400

@@ -46,6 +46,8 @@ def test_needs_an_initialized_process_group():
     [
         ({"name": "my model"}, ValueError, r"\[A-Za-z0-9._-\]"),
         ({"name": ""}, ValueError, "1-64 characters"),
+        # requests sent its registration to /api/v1/register (dot segments are removed)
+        ({"name": ".."}, ValueError, r"other than \. and \.\."),
         ({"bucket_size": 0}, ValueError, "positive number of bytes"),
         ({"bucket_size": 1.5}, ValueError, "whole number of bytes"),
         ({"hierarchical": "yes"}, TypeError, "True, False or None"),

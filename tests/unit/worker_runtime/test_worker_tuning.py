@@ -143,6 +143,21 @@ def test_registers_reports_and_follows_the_current_group():
         wait_for(lambda: not client.alive)
 
 
+def test_the_leader_reaches_the_service_directly_whatever_proxy_is_set(monkeypatch):
+    # A cluster's http_proxy (no no_proxy): the leader's requests went to the proxy, which
+    # cannot reach the job's service, with the token in their headers.
+    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    with ScriptedService() as service:
+        client = client_for(service.url, TOKEN)
+        client.start()
+        wait_for(lambda: client.latest() is not None)
+        client.close()
+        assert service.requests[0][1]["Authorization"] == f"Bearer {TOKEN}"
+
+
 def test_no_fixed_object_and_no_token_header_when_none_is_set():
     with ScriptedService() as service:
         client = client_for(service.url)

@@ -62,8 +62,12 @@ class CommHookBucket:
         return list(self._bucket.params)
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
-        """Replace the buffer's contents with ``tensor`` (same number of elements)."""
-        self._grads.copy_(tensor.reshape(-1))
+        """Make ``tensor`` the buffer, as torch's ``GradBucket.set_buffer`` does: later
+        :meth:`buffer` and :meth:`gradients` calls see it, in its own dtype. torch's
+        ``fp16_compress_wrapper`` and ``bf16_compress_wrapper`` send the cast copy they set;
+        copied back into the bucket, it was sent in the bucket's dtype, uncompressed, and
+        summed at another precision than torch's."""
+        self._grads = tensor
 
 
 class CommHookExchange:
