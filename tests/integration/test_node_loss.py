@@ -7,11 +7,11 @@ exit at once, as when a machine dies. Node 0's leader (rank 0) sees the dead pee
 allreduce and must exit with the error, so that torch's elastic agent stops the job; its peer on
 node 0, waiting in that chain's broadcast, is the agent's to stop.
 
-Found on two network namespaces joined by a veth pair (docs/architecture.md has the map): with
-the queued chains left to run, the leader's next chain waited in a reduce for its peer until the
-process group's timeout, and the interpreter joined that thread before the failed rank could
-exit, so a job whose second node died hung for the timeout (30 minutes by default) instead of
-failing.
+Found on two network namespaces joined by a veth pair (deploy/README.md, "Two machines by
+hand"): with the queued chains left to run, the leader's next chain waited in a reduce for its
+peer until the process group's timeout, and the interpreter joined that thread before the failed
+rank could exit, so a job whose second node died hung for the timeout (30 minutes by default)
+instead of failing.
 """
 
 from __future__ import annotations
