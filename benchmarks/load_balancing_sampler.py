@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import distune
-from benchmarks.local_host import free_port
+from tests.support.local_host import free_port
 
 
 class Sequences(Dataset[torch.Tensor]):

@@ -12,10 +12,14 @@ It takes its batch as flags (``--batch-size`` samples per rank per forward, ``--
 forwards per optimizer step, accumulated under ``no_sync``) and never calls the level-2 API:
 it only wraps its model in ``distune.DistributedDataParallel``. Level 2 tunes its micro-batch
 and accumulation through ``arg_mappings``, which rewrite those flags in each trial (the global
-batch kept; strategies need ``distune.prepare``, as in ``train_gpt.py``)::
+batch kept; strategies need ``distune.prepare``, as in ``train_gpt.py``). Give it a split with
+room to move: at the defaults (32 x 1) the script's own split is already the largest
+micro-batch, where level 2's search starts (docs/level2.md), so it measures that one and keeps
+it::
 
     distune-run --nproc_per_node 2 --autotune_level 2 \
-        --autotune_config examples/level2_arg_mappings.yaml examples/train_mlp.py --steps 300
+        --autotune_config examples/level2_arg_mappings.yaml \
+        examples/train_mlp.py --batch-size 16 --grad-accum 2 --steps 300
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
+from distune.launcher.level2 import trial_world
 from distune.launcher.options import build_parser, options_from_args
-from distune.launcher.plan import LaunchPlan, plan_launch
+from distune.launcher.plan import LaunchPlan, plan_launch, plan_trials
 
 REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "deploy" / "slurm" / "distune.sbatch"
@@ -158,14 +159,16 @@ def test_batch_directives_ask_for_one_task_per_node():
     assert "gpus-per-node" in directives
 
 
-def test_every_node_runs_one_c10d_job_whose_first_host_runs_the_service(allocation, monkeypatch):
+def test_every_node_runs_one_static_job_whose_first_host_runs_the_service(allocation, monkeypatch):
     step, output = allocation.submit()
     (node0, plan0), (node1, plan1) = allocation.plans(step, monkeypatch)
     results = allocation.root / f"distune-{JOB_ID}"
     for args in (node0, node1):
         assert (args.nnodes, args.nproc_per_node) == ("2", "gpu")
-        assert (args.rdzv_backend, args.rdzv_id) == ("c10d", JOB_ID)
-        assert args.rdzv_endpoint == f"{NODES[0]}:29400"
+        # Static: the workers' master address is the first host as given, never a host name
+        # that torch's c10d rendezvous looks up on one node (127.0.1.1 on many a cluster).
+        assert (args.rdzv_backend, args.rdzv_endpoint) == ("static", "")
+        assert (args.master_addr, args.master_port) == (NODES[0], 29400)
         assert args.autotune_level == 1
         assert (args.autotune_log_file, args.autotune_best_file) == (
             results / "autotune.csv",
@@ -173,8 +176,8 @@ def test_every_node_runs_one_c10d_job_whose_first_host_runs_the_service(allocati
         )
         assert args.training_script == "examples/train_gpt.py"
         assert (REPO / args.training_script).is_file()
-    # Node 0 is the first host: it hosts torch's store and distune's service, port + 1.
-    assert (node0.rdzv_conf, node1.rdzv_conf) == ("is_host=1", "is_host=0")
+    # Node rank = SLURM node id: node 0, the first host, holds torch's store and the service.
+    assert (node0.node_rank, node1.node_rank) == (0, 1)
     assert plan0.starts_service and not plan1.starts_service
     url = f"http://{NODES[0]}:29401"
     assert plan0.settings.service_url == plan1.settings.service_url == url
@@ -209,8 +212,25 @@ def test_arguments_and_settings_override_the_defaults(allocation, monkeypatch, t
         "examples/train_mlp.py",
         ["--seconds", "5"],
     )
-    assert node0.rdzv_endpoint == "gpu-node-001-ib:31000"
+    assert (node0.master_addr, node0.master_port) == ("gpu-node-001-ib", 31000)
     assert (
         plan0.settings.service_url == plan1.settings.service_url == "http://gpu-node-001-ib:31001"
     )
     assert node0.autotune_best_file == elsewhere / "best.json" and elsewhere.is_dir()
+
+
+def test_level_2_runs_on_the_recipe_s_rendezvous(allocation, monkeypatch, tmp_path):
+    # Level 2 coordinates its trials over static rendezvous only: the recipe must give it that.
+    step, _ = allocation.submit(
+        "--nproc_per_node", "2", "--autotune_level", "2",
+        "--autotune_results_dir", str(tmp_path / "trials"), "examples/train_gpt.py", "--steps", "30",
+    )  # fmt: skip
+    for node in range(len(NODES)):
+        task = allocation.run_task(step, node)
+        monkeypatch.setenv("DISTUNE_SERVICE_TOKEN", task["token"])
+        args = build_parser().parse_args(task["argv"])
+        assert args.autotune_level == 2
+        assert trial_world(args) == (2, 4)  # 2 nodes x 2 ranks, coordinated by node 0
+        plan = plan_trials(args, options_from_args(args))
+        assert plan.starts_service == (node == 0)
+        assert plan.settings.service_url == f"http://{NODES[0]}:29401"

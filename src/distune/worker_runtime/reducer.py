@@ -80,13 +80,23 @@ class _HierarchicalAllreduce:
             if self._stream is None
             else None
         )
+        self._failure: BaseException | None = None
 
     def _chain(self, flat: torch.Tensor) -> None:
+        # After a failed step (a peer node lost), the queued chains must not start: their first
+        # collective would wait for a peer stuck in the failed chain until the process group's
+        # timeout, and the interpreter joins this thread before a failed rank can exit.
+        if self._failure is not None:
+            raise ReductionError(f"skipped: an earlier bucket failed ({self._failure})")
         process_groups = self._process_groups
-        dist.reduce(flat, dst=process_groups.leader, group=process_groups.intra)
-        if process_groups.leaders is not None:
-            dist.all_reduce(flat, group=process_groups.leaders)
-        dist.broadcast(flat, src=process_groups.leader, group=process_groups.intra)
+        try:
+            dist.reduce(flat, dst=process_groups.leader, group=process_groups.intra)
+            if process_groups.leaders is not None:
+                dist.all_reduce(flat, group=process_groups.leaders)
+            dist.broadcast(flat, src=process_groups.leader, group=process_groups.intra)
+        except BaseException as error:
+            self._failure = error
+            raise
 
     def start(self, flat: torch.Tensor) -> Future[None] | None:
         if self._executor is not None:
