@@ -74,10 +74,13 @@ def train(
     bf16: bool = False,
     clip: float | None = None,
     scaler: type[torch.amp.GradScaler] | None = None,
+    seed_per_rank: bool = False,
 ) -> list[float]:
     """Losses of STEPS optimizer steps on this rank's fixed data, under one configuration
     (then, where gradients are clipped to ``clip``, the norms ``run.clip_grad_norm_`` saw),
-    stepped through a gradient scaler of class ``scaler`` if given."""
+    stepped through a gradient scaler of class ``scaler`` if given. ``seed_per_rank`` builds
+    each rank's model from a seed of its own (timm's ``random_seed(seed, rank)``), as DDP
+    scripts may: rank 0's seed is 0, so the model trained is the one seed 0 builds."""
     os.environ.update(
         {
             BF16: str(int(bf16)),
@@ -88,7 +91,7 @@ def train(
         }
     )
     rank = torch.distributed.get_rank()
-    torch.manual_seed(0)
+    torch.manual_seed(rank if seed_per_rank else 0)
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     name = f"net{stage}{micro}{'b' if bf16 else ''}"
@@ -134,7 +137,17 @@ def strategies_train_the_same_model(out: Path) -> dict:
     # norm (torch's clip_grad_norm_ under FSDP) would train another model.
     clipped = [(0, False, 4), (1, False, 2), (2, False, 4), (3, False, 2)]
     clipped_losses = {f"clip {s}/{c}/{m}": train(s, c, m, clip=0.01) for s, c, m in clipped}
-    return {**losses, **clipped_losses, STOCK_ZERO1: zero1_against_stock_zero1()}
+    # Every rank's model from its own seed: each stage trains rank 0's, as DDP does.
+    seeded = [(2, False, 4), (3, False, 2)]
+    seeded_losses = {
+        f"seeded per rank {s}/{c}/{m}": train(s, c, m, seed_per_rank=True) for s, c, m in seeded
+    }
+    return {
+        **losses,
+        **clipped_losses,
+        **seeded_losses,
+        STOCK_ZERO1: zero1_against_stock_zero1(),
+    }
 
 
 @scenario

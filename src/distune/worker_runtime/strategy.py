@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
@@ -49,6 +50,7 @@ from torch.utils._pytree import tree_map_only
 
 from distune.errors import DistuneError
 from distune.worker_runtime.distributed import DistributedDataParallel
+from distune.worker_runtime.module_state import broadcast_module_state
 from distune.worker_runtime.sharded_state import (
     DEFAULT_CHECKPOINT_TIMEOUT,
     RankCheck,
@@ -229,6 +231,13 @@ def apply(
         )
         whole_zero_optimizer(zero, RankCheck.create(stage, checkpoint_timeout), device)
         return Applied(wrapped, zero)
+    # Rank 0's parameters and buffers everywhere, as distune's DDP (and torch's) copies them at
+    # construction: a script that seeds each rank differently before building its model (timm's
+    # random_seed(seed, rank)) would otherwise shard a mix of every rank's initialisation.
+    # FSDP's own sync_module_states refuses a model on CPU.
+    world = dist.group.WORLD
+    assert world is not None  # prepare checked that torch.distributed is initialised
+    broadcast_module_state([*model.parameters(), *model.buffers()], world)
     policy = ModuleWrapPolicy(set(block_classes)) if block_classes else None
     wrapped = FullyShardedDataParallel(
         model,
