@@ -555,11 +555,15 @@ class Level2:
         purpose: str,
         predicted: int | None,
         refuse: Callable[[TrialResult], str | None] | None = None,
+        batch_change: str | None = None,
     ) -> TrialResult:
         """Run (or, resuming, reuse) one trial on every node and record it; one that ran ok
-        but ``refuse`` says did not run its configuration is recorded as a crash saying so."""
+        but ``refuse`` says did not run its configuration is recorded as a crash saying so.
+        ``batch_change`` says how its global batch differs from the script's own, as its
+        record (``trials.jsonl``, the board, the summary) carries it."""
         reused = self._reused(index, config, purpose)
         if reused is not None:
+            reused = replace(reused, batch_change=batch_change)
             self._say(f"trial {index}: {reused.describe()}: {reused.outcome} (resumed)")
             self.client.record(index, reused.to_json())
             self.report.add(reused)
@@ -605,6 +609,7 @@ class Level2:
             error=combined.get("error"),
             facts=measured or None,
             steps=run.steps,
+            batch_change=batch_change,
         )
         why = refuse(result) if refuse is not None and result.outcome == OK else None
         if why is not None:  # never recorded as measuring what it did not run
@@ -780,12 +785,12 @@ class Level2:
             proposal.purpose,
             proposal.predicted_memory_bytes,
             refuse=lambda ran: batch_moved(profile, ran, flag),
+            batch_change=search.space.batch_change(proposal.config),
         )
         moved = batch_moved(profile, result, flag)
         if moved is not None:
             raise OptionError(f"--autotune_level 2: {moved}")
-        change = search.space.batch_change(proposal.config)
-        search.record(replace(result, batch_change=change))
+        search.record(result)
 
     def chosen(self, search: TrialSearch) -> Chosen | None:
         """The winner as ``run`` mode trains it; also writes best_config.json and the command."""
