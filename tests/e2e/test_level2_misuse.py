@@ -199,14 +199,16 @@ def test_the_crash_shown_is_the_rank_that_failed_first_not_its_peers_collective(
     assert run.error.splitlines()[-1] == "rank 1: corrupt shard 00017.bin"
 
 
-# Starts a helper it would stop in its `finally`, which a measured rank's os._exit skips.
+# Starts helpers it would stop in its `finally`, which a measured rank's os._exit skips: one
+# with the rank's environment, one with an environment of its own (no DISTUNE_TRIAL_DIR).
 STARTS_A_HELPER = """
-import subprocess, sys, torch, torch.distributed as dist
+import os, subprocess, sys, torch, torch.distributed as dist
 from torch import nn
 import distune
 dist.init_process_group("gloo")
 helper = subprocess.Popen(["sleep", "120"])
-open(sys.argv[1], "w").write(str(helper.pid))
+own_env = subprocess.Popen(["sleep", "120"], env={"PATH": os.environ["PATH"]})
+open(sys.argv[1], "w").write(f"{helper.pid} {own_env.pid}")
 try:
     model = nn.Linear(4, 1)
     run = distune.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2)
@@ -216,6 +218,7 @@ try:
         run.optimizer.zero_grad()
 finally:
     helper.terminate()
+    own_env.terminate()
 """
 
 
@@ -227,13 +230,16 @@ def test_what_a_measured_rank_left_running_ends_with_its_trial(tmp_path):
     run = one_trial(tmp_path, [str(script)]).run(
         0, TrialSettings(micro_batch=2, accumulation=1), [str(pid_file)], free_port()
     )
-    helper = int(pid_file.read_text())
+    helpers = [int(pid) for pid in pid_file.read_text().split()]
     try:
         assert run.outcome == OK, run.error
-        assert not running(helper)  # it used to run on, a child of init, for its 120 s
+        # They used to run on, children of init, for their 120 s; the one with an environment
+        # of its own even after the sweep by DISTUNE_TRIAL_DIR (found now by its session).
+        assert [running(pid) for pid in helpers] == [False, False]
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(helper, signal.SIGKILL)
+        for pid in helpers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 # A launcher as the trial runner starts a trial, which then dies without stopping it.

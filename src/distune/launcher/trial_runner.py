@@ -195,16 +195,46 @@ def _belongs(pid: int, trial_dir: Path) -> bool:
         return False
 
 
-def left_running(trial_dir: Path) -> set[int]:
-    """The processes still carrying this trial's ``DISTUNE_TRIAL_DIR`` (found in /proc; empty
-    where absent) once its ranks ended: what a rank started and left behind (a helper server
-    the script stops in a ``finally``, DataLoader workers), since a measured rank ends at once
-    with ``os._exit``, and neither its ``finally`` blocks nor its atexit handlers run."""
+def _live_session(pid: int) -> int | None:
+    """The session id of ``pid`` (the fourth field after the command in /proc's stat), or None
+    where it is gone or a zombie (dead: its parent has yet to reap it)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return None if fields[0] == "Z" else int(fields[3])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def trial_sessions(trial_pid: int, trial_dir: Path) -> frozenset[int]:
+    """The sessions of a trial: its job's (started as a session of its own) and each measured
+    rank's (torch's agent starts every rank as a session of its own; a rank writes its pid
+    file once distune measures it)."""
+    sessions = {trial_pid}
+    for pid_file in trial_dir.glob("pid.*"):
+        with contextlib.suppress(OSError, ValueError):
+            sessions.add(int(pid_file.read_text()))
+    return frozenset(sessions)
+
+
+def left_running(trial_dir: Path, sessions: frozenset[int] = frozenset()) -> set[int]:
+    """The processes still carrying this trial's ``DISTUNE_TRIAL_DIR``, or still in one of its
+    ``sessions`` (:func:`trial_sessions`), found in /proc (empty where absent) once its ranks
+    ended: what a rank started and left behind (a helper server the script stops in a
+    ``finally``, DataLoader workers), since a measured rank ends at once with ``os._exit``,
+    and neither its ``finally`` blocks nor its atexit handlers run. The session finds a helper
+    started with an environment of its own (``Popen(..., env={...})``), which the variable
+    misses; one that left the session (a daemon's ``setsid``) keeps the variable unless it
+    also replaced its environment. A session id outlives its leader; it could name another
+    process's only if the leader's pid were reused, between the trial's end and this sweep,
+    by a new session leader."""
     found: set[int] = set()
     with contextlib.suppress(OSError):
         for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and _belongs(int(entry.name), trial_dir):
-                found.add(int(entry.name))
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            pid = int(entry.name)
+            if _belongs(pid, trial_dir) or (sessions and _live_session(pid) in sessions):
+                found.add(pid)
     return found
 
 
@@ -348,7 +378,7 @@ class TrialRunner:
             finally:
                 if process.poll() is None:
                     self._stop(process, trial_dir)
-                self._end_left_running(trial_dir)
+                self._end_left_running(trial_dir, trial_sessions(process.pid, trial_dir))
         exit_code = process.returncode
         reports = [r for p in sorted(trial_dir.glob("rank*.json")) if (r := read_json_object(p))]
         result = read_json_object(trial_dir / RESULT_FILE)
@@ -416,16 +446,16 @@ class TrialRunner:
             time.sleep(_POLL)
         return False, None
 
-    def _end_left_running(self, trial_dir: Path) -> None:
+    def _end_left_running(self, trial_dir: Path, sessions: frozenset[int]) -> None:
         """Stop what the trial's ranks left running (:func:`left_running`), gently first."""
-        pids = left_running(trial_dir)
+        pids = left_running(trial_dir, sessions)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + _STOP_GRACE
-        while time.monotonic() < deadline and any(_belongs(p, trial_dir) for p in pids):
+        while time.monotonic() < deadline and pids & left_running(trial_dir, sessions):
             time.sleep(_POLL / 4)
-        for pid in left_running(trial_dir):
+        for pid in left_running(trial_dir, sessions):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
 
