@@ -174,6 +174,45 @@ def gradient_scalers_under_sharded_stages(out: Path) -> dict:
     return results
 
 
+class NormedBlock(nn.Module):
+    """A block with a batch norm: running statistics updated by every training forward."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.norm = nn.BatchNorm1d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.norm(self.linear(x)))
+
+
+@scenario
+def checkpointing_keeps_batch_norm_statistics(out: Path) -> dict:
+    """Each rank's batch norms' buffers (running mean and variance, batches tracked) after
+    STEPS steps of a model of NormedBlocks, with and without checkpointing."""
+    results = {}
+    for stage, checkpointing in [(0, False), (0, True), (3, True)]:
+        os.environ.update({ZERO_STAGE: str(stage), CHECKPOINTING: str(int(checkpointing)),
+                           MICRO_BATCH: str(PER_RANK), ACCUMULATION: "1"})  # fmt: skip
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), *(NormedBlock(16) for _ in range(2)))
+        norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm1d)]
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        run = distune.prepare(
+            model, optimizer, micro_batch_size=PER_RANK, name=f"bn{stage}{checkpointing}",
+            blocks=(NormedBlock,),
+        )  # fmt: skip
+        data = torch.Generator().manual_seed(100 + torch.distributed.get_rank())
+        for _ in range(STEPS):
+            run.model(torch.randn(PER_RANK, 8, generator=data)).square().mean().backward()
+            run.optimizer.step()
+            run.optimizer.zero_grad()
+        results[f"{stage}/{checkpointing}"] = [
+            b.float().tolist() for norm in norms for b in norm.buffers()
+        ]
+    return results
+
+
 def zero1_against_stock_zero1() -> dict[str, bool]:
     """Parameters after STEPS steps of distune's zero1 and of torch's ``ZeroRedundancyOptimizer``
     at its defaults over the same DDP: the construction may change how the shards travel,
@@ -236,6 +275,7 @@ SCENARIO_ORDER = [
     "strategies_train_the_same_model",
     "bf16_strategies_train_the_same_model",
     "gradient_scalers_under_sharded_stages",
+    "checkpointing_keeps_batch_norm_statistics",
     "memory_cap_raises_out_of_memory",
 ]
 
@@ -281,6 +321,20 @@ def test_a_gradient_scaler_that_checks_a_shard_alone_is_refused_under_zero2(job)
         reference = rank_result["ddp GradScaler"]
         for config, losses in rank_result.items():
             torch.testing.assert_close(losses, reference, rtol=1e-5, atol=1e-6, msg=config)
+
+
+def test_checkpointing_updates_batch_norm_statistics_once_a_forward(job):
+    for rank, rank_result in enumerate(job["checkpointing_keeps_batch_norm_statistics"]):
+        reference = rank_result.pop("0/False")
+        tracked = [b for b in reference if not isinstance(b, list)]
+        assert tracked == [STEPS, STEPS]  # one update a forward, in each of the two norms
+        if rank > 0:
+            # DDP copies rank 0's buffers before each forward, FSDP keeps each rank's own:
+            # only rank 0's (those a checkpoint saves) are the same under both.
+            del rank_result["3/True"]
+        for config, buffers in rank_result.items():
+            # The recomputation in backward used to update them again: 2 x STEPS tracked.
+            torch.testing.assert_close(buffers, reference, rtol=1e-5, atol=1e-6, msg=config)
 
 
 def test_the_memory_cap_raises_torchs_out_of_memory_error_on_cpu(job):

@@ -29,8 +29,8 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,6 +159,37 @@ def _rebuild(
     return type(optimizer)(param_groups, **_constructor_options(optimizer))
 
 
+@contextmanager
+def _running_statistics_kept(norms: Sequence[nn.Module]) -> Iterator[None]:
+    """Leave the batch norms' running statistics as they were before this block (the
+    recomputation in backward): the forward already updated them once."""
+    kept = [[buffer.clone() for buffer in norm.buffers()] for norm in norms]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for norm, buffers in zip(norms, kept, strict=True):
+                for buffer, before in zip(norm.buffers(), buffers, strict=True):
+                    buffer.copy_(before)
+
+
+def _checkpointed(block: nn.Module) -> nn.Module:
+    """``block`` under non-reentrant activation checkpointing. Its recomputation in backward
+    runs its forward again, which would update each batch norm's running statistics (and
+    ``num_batches_tracked``) a second time, training other statistics than without
+    checkpointing; they are kept as the forward left them (a copy of the norms' buffers a
+    block a backward; a block without norms is wrapped as it was)."""
+    # Batch and instance norms (torch's _NormBase) keep running statistics.
+    norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._NormBase)]
+    if not norms:
+        return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    return checkpoint_wrapper(
+        block,
+        checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+        context_fn=lambda: (nullcontext(), _running_statistics_kept(norms)),
+    )
+
+
 def _fp32_outputs(model: nn.Module, device: torch.device, autocast: bool) -> None:
     """Make ``model``'s forward return fp32 floating outputs, run under bf16 autocast if
     ``autocast`` (the instance's own ``forward``: parameter names and state dict unchanged)."""
@@ -208,9 +239,7 @@ def apply(
     if checkpointing:
         apply_activation_checkpointing(
             model,
-            checkpoint_wrapper_fn=functools.partial(
-                checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
-            ),
+            checkpoint_wrapper_fn=_checkpointed,
             check_fn=lambda module: isinstance(module, block_classes),
         )
     device_ids = [device.index] if device.type == "cuda" else None
