@@ -78,12 +78,25 @@ _TAKING_PART = (
 )
 
 
+#: Where the script's own configuration runs out of memory: the search measures everything
+#: from that trial, so it cannot start; what can.
+_START_THAT_FITS = (
+    ". Level 2 measures the model in the script's own configuration first, so that one must "
+    "fit: give the script a smaller micro-batch with more accumulation steps (the same global "
+    "batch), or pin a configuration that saves memory in --autotune_config "
+    "(zero_optimization: {stage: 3}, activation_checkpointing: true; the search then keeps "
+    "what is pinned), or, with --autotune_device_memory, a larger cap"
+)
+
+
 def profile_failed(profile: TrialResult) -> str:
     """What is said where the profile trial did not end ok. It tells how to take part in
     level 2 only where the script did not: no step of it finished under distune, and it did not
     fail on its own (out of memory, a crash)."""
     took_part = profile.steps is not None
     hint = "" if profile.outcome in (OOM, CRASH) or took_part else _TAKING_PART
+    if profile.outcome == OOM:
+        hint = _START_THAT_FITS
     return (
         f"the profile trial (the script's own configuration) ended {profile.outcome}: "
         f"nothing to tune from; see its log{hint}"

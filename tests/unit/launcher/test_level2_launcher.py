@@ -111,6 +111,14 @@ def test_the_profile_tells_how_to_take_part_only_where_the_script_did_not() -> N
     )
     assert profile_failed(profile("timeout", "no step finished", 3)).endswith("see its log")
     assert profile_failed(profile("crash", "ValueError", None)).endswith("see its log")
+    # Out of memory in the script's own configuration: the ways to a start that fits.
+    assert profile_failed(profile("oom", "torch.OutOfMemoryError", 0)).endswith(
+        "see its log. Level 2 measures the model in the script's own configuration first, so "
+        "that one must fit: give the script a smaller micro-batch with more accumulation steps "
+        "(the same global batch), or pin a configuration that saves memory in --autotune_config "
+        "(zero_optimization: {stage: 3}, activation_checkpointing: true; the search then keeps "
+        "what is pinned), or, with --autotune_device_memory, a larger cap"
+    )
 
 
 def test_mapped_flags_are_rewritten_in_both_spellings() -> None:
