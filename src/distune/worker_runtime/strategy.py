@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, Sha
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map_only
 
 from distune.errors import DistuneError
@@ -139,6 +141,73 @@ def _refuse_the_replaced_optimizer(
         "would not train the sharded model (zero the gradients and build schedulers and "
         "gradient scalers on run.optimizer too)"
     )
+
+
+class OnlyTheStagesOptimizer:
+    """Refuses the step of an optimizer built over the model's parameters after ``prepare``
+    (``torch.optim.AdamW(run.model.parameters())``, an FSDP habit) where a stage rebuilt the
+    optimizer (ZeRO-1 to 3). It would train, but not as the configuration says: under ZeRO-1
+    with the whole optimizer state on every rank (a trial of zero1 measuring ddp's memory and
+    time), and under ZeRO-2 and 3 with ``run.optimizer`` left unstepped, so the checkpoint the
+    script takes of ``run.optimizer.state_dict()`` holds no state. A global step pre-hook of
+    torch's: only weak references to the optimizers and parameters, removed with the stage's
+    optimizer; the stage's own inner steps (ZeRO's local optimizer) run inside its step."""
+
+    def __init__(
+        self, stage_optimizer: torch.optim.Optimizer, handed: torch.optim.Optimizer, stage: int
+    ) -> None:
+        self._stage_optimizer = weakref.ref(stage_optimizer)
+        self._handed = weakref.ref(handed)  # refused by its own hook, with its own message
+        self._parameters = {
+            id(p): weakref.ref(p) for g in stage_optimizer.param_groups for p in g["params"]
+        }
+        self._stage = stage
+        self._inside = False
+
+    @classmethod
+    def install(
+        cls, stage_optimizer: torch.optim.Optimizer, handed: torch.optim.Optimizer, stage: int
+    ) -> None:
+        """Watch every optimizer step of the process while ``stage_optimizer`` lives."""
+        guard = cls(stage_optimizer, handed, stage)
+        stage_optimizer.register_step_pre_hook(guard._enter)
+        stage_optimizer.register_step_post_hook(guard._leave)
+        handle = register_optimizer_step_pre_hook(guard._check)
+        weakref.finalize(stage_optimizer, handle.remove)
+
+    def _enter(self, *_: Any) -> None:
+        self._inside = True
+
+    def _leave(self, *_: Any) -> None:
+        self._inside = False
+
+    def _holds_the_models(self, optimizer: torch.optim.Optimizer) -> bool:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                held = self._parameters.get(id(p))
+                if held is not None and held() is p:
+                    return True
+        return False
+
+    def _check(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        if (
+            self._inside
+            or optimizer is self._stage_optimizer()
+            or optimizer is self._handed()
+            or not self._holds_the_models(optimizer)
+        ):
+            return
+        without = (
+            "every rank keeping the whole optimizer state"
+            if self._stage == 1
+            else "run.optimizer.state_dict() would hold no state for a checkpoint"
+        )
+        raise StrategyError(
+            f"distune.prepare: call run.optimizer.step(), not the step of another optimizer over "
+            f"run.model's parameters: under ZeRO stage {self._stage} run.optimizer is the "
+            f"optimizer the stage built, and one built after prepare would train without it "
+            f"({without}); build the optimizer before distune.prepare and hand it in"
+        )
 
 
 def _constructor_options(optimizer: torch.optim.Optimizer) -> dict:
@@ -259,6 +328,7 @@ def apply(
             **_constructor_options(optimizer),
         )
         whole_zero_optimizer(zero, RankCheck.create(stage, checkpoint_timeout), device)
+        OnlyTheStagesOptimizer.install(zero, optimizer, stage)
         return Applied(wrapped, zero)
     # Rank 0's parameters and buffers everywhere, as distune's DDP (and torch's) copies them at
     # construction: a script that seeds each rank differently before building its model (timm's
@@ -290,6 +360,7 @@ def apply(
     names = [n for g in groups for n in g["names"]]
     whole_fsdp_optimizer(wrapped, rebuilt, check, names, device)
     rebuilt.register_step_pre_hook(functools.partial(_refuse_a_local_grad_scaler, stage=stage))
+    OnlyTheStagesOptimizer.install(rebuilt, optimizer, stage)
     return Applied(wrapped, rebuilt)
 
 
