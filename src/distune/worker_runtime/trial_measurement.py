@@ -213,6 +213,8 @@ class TrialMeasurement:
         self._micro_steps: list[int] = []
         #: The sizes of the process's later models, read when the trial reports.
         self._more_models: list[Callable[[], dict[str, int]]] = []
+        #: The model whose steps are measured (its parameters are checked at the end).
+        self._model: nn.Module | None = None
 
     def add_model(self, facts: Callable[[], dict[str, int]]) -> None:
         """Count a later model of the process in the sizes the trial reports (``facts()``,
@@ -243,6 +245,7 @@ class TrialMeasurement:
         self._watch(model, blocks)
 
     def _watch(self, model: nn.Module, blocks: tuple[type[nn.Module], ...]) -> None:
+        self._model = model
         model.register_forward_pre_hook(self._before_forward)
         model.register_forward_hook(self._after_forward)
         for module in model.modules():
@@ -376,12 +379,35 @@ class TrialMeasurement:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return tensor.tolist()
 
+    def _not_finite(self) -> float:
+        """1.0 where a trained parameter of this rank's part of the model holds NaN or inf,
+        else 0.0 (a frozen one may hold an infinity on purpose, a mask's)."""
+        if self._model is None:
+            return 0.0
+        with torch.no_grad():
+            trained = (p for p in self._model.parameters() if p.requires_grad)
+            return float(any(not p.isfinite().all() for p in trained))
+
     def _finish(self) -> None:
         local_peak = self.meter.peak_bytes()
         durations = self._max_over_ranks(self._durations)
-        peak, activation, checkpointed = self._max_over_ranks(
-            [float(local_peak), float(self._activation_bytes), float(self._checkpointed_bytes)]
+        peak, activation, checkpointed, not_finite = self._max_over_ranks(
+            [
+                float(local_peak),
+                float(self._activation_bytes),
+                float(self._checkpointed_bytes),
+                self._not_finite(),
+            ]
         )
+        if not_finite:
+            # Measured, but not training: a configuration whose loss diverged (a larger batch
+            # at the script's learning rate, bf16's precision) is no candidate, however fast.
+            raise TrialStepError(
+                "distune trial: the model's parameters hold NaN or inf after the trial's "
+                f"{self.warmup + self.measured} steps (checked on every rank): this "
+                "configuration does not train, so it is not measured as one that does; check "
+                "the script's loss at this micro-batch, accumulation and precision"
+            )
         step = statistics.median(durations)
         rates = sorted(self.samples_per_step / d for d in durations)
         quartiles = statistics.quantiles(rates, n=4) if len(rates) >= 2 else [rates[0]] * 3

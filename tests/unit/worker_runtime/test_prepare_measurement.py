@@ -246,3 +246,43 @@ def test_under_fsdp_the_ddp_idioms_through_model_module_raise_naming_run_model(m
             assert run.model.module.state_dict()["0.weight"].shape == (4, 4)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_trial_whose_loss_diverged_crashes_rather_than_be_measured(tmp_path, monkeypatch):
+    # Two measured steps, no warm-up: the trial reports after the second (a finite model's
+    # rank would end there, so only the diverged one runs in this process).
+    for name, value in {
+        TRIAL_DIR: str(tmp_path),
+        MICRO_BATCH: "4",
+        ACCUMULATION: "1",
+        "DISTUNE_TRIAL_WARMUP_STEPS": "0",
+        "DISTUNE_TRIAL_STEPS": "2",
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+
+    def measured_as_ok(code: int) -> None:  # a rank ends here once its trial reported ok
+        raise AssertionError(f"the trial ended (os._exit({code})) as measured")
+
+    monkeypatch.setattr(os, "_exit", measured_as_ok)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    run = None
+    try:
+        model = nn.Linear(16, 1)
+        run = distune.prepare(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2
+        )
+        run.model(torch.randn(4, 16)).sum().backward()
+        run.optimizer.step()  # step 1, finite
+        run.optimizer.zero_grad()
+        # The loss of this configuration diverges (a sum that overflows at a large micro-batch).
+        (run.model(torch.randn(4, 16)).sum() * float("inf")).backward()
+        with pytest.raises(TrialStepError, match="the model's parameters hold NaN or inf after "
+                           "the trial's 2 steps"):  # fmt: skip
+            run.optimizer.step()
+        assert not (tmp_path / "result.json").exists()  # nothing measured was reported
+    finally:
+        if run is not None and run.memory is not None:
+            run.memory.__exit__(None, None, None)  # type: ignore[attr-defined]
+        if dist.is_initialized():
+            dist.destroy_process_group()
