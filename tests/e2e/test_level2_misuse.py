@@ -197,6 +197,10 @@ def test_the_crash_shown_is_the_rank_that_failed_first_not_its_peers_collective(
     assert "Connection closed by peer" not in run.error  # rank 0's report: a symptom
     assert run.error.startswith("rank 1 exited with status 1")
     assert run.error.splitlines()[-1] == "rank 1: corrupt shard 00017.bin"
+    # When the cause failed, which a node's report carries (on two nodes the first to fail is
+    # the cause): rank 1's last output, before rank 0's report of its symptom.
+    symptom = json.loads((run.log_path.parent / "rank0.json").read_text())["time"]
+    assert run.failed_at is not None and symptom - 30 < run.failed_at <= symptom
 
 
 # Starts helpers it would stop in its `finally`, which a measured rank's os._exit skips: one

@@ -68,6 +68,9 @@ class TrialRun:
     #: The optimizer steps the node's first rank finished under distune (its progress file);
     #: None where none did (the script never reached distune, or failed before a step).
     steps: int | None = None
+    #: When the node's first failing rank failed (seconds since the epoch), for an oom or a
+    #: crash: of two nodes that failed, the first is the cause (:func:`failed_at`).
+    failed_at: float | None = None
 
 
 def failure_exit_code(error: ChildFailedError) -> int:
@@ -246,14 +249,47 @@ def read_log_tail(path: Path) -> str:
     return ""
 
 
+def _first_failure_logs(trial_dir: Path) -> list[Path]:
+    failure = read_json_object(trial_dir / FAILURE_FILE)
+    if failure is None:
+        return []
+    local_rank = failure.get("local_rank")
+    return sorted(trial_dir.glob(f"{RANK_LOGS}/*/attempt_0/{local_rank}/stderr.log"))
+
+
+def first_failure_time(trial_dir: Path) -> float | None:
+    """When the first failed rank wrote its stderr last (seconds since the epoch): its
+    failure's time where it wrote no report (``sys.exit("...")`` prints as it ends); None
+    where the trial job recorded no failure."""
+    for stderr in _first_failure_logs(trial_dir):
+        with contextlib.suppress(OSError):
+            return stderr.stat().st_mtime
+    return None
+
+
+def failed_at(
+    outcome: str, reports: list[dict[str, Any]], unreported: bool, trial_dir: Path
+) -> float | None:
+    """When this node's trial failed as ``outcome``: the earliest report of it, or, where its
+    first failed rank wrote none (``unreported``), that rank's last output; None where no
+    failure says when (an ok trial, a time-out)."""
+    if unreported:
+        return first_failure_time(trial_dir)
+    times = [
+        r["time"]
+        for r in reports
+        if r.get("outcome") == outcome and isinstance(r.get("time"), int | float)
+    ]
+    return float(min(times)) if times and outcome in (OOM, CRASH) else None
+
+
 def first_failure_stderr(trial_dir: Path) -> str | None:
     """The first failed rank's own stderr tail, with its rank and exit status (None where the
     trial job recorded no failure, or the rank wrote nothing to stderr)."""
     failure = read_json_object(trial_dir / FAILURE_FILE)
     if failure is None:
         return None
-    local_rank = failure.get("local_rank")
-    for stderr in trial_dir.glob(f"{RANK_LOGS}/*/attempt_0/{local_rank}/stderr.log"):
+    for stderr in _first_failure_logs(trial_dir):
         tail = read_log_tail(stderr)
         if tail:
             return (
@@ -385,8 +421,9 @@ class TrialRunner:
         outcome, error = classify(
             exit_code, timed_out, reports, result, failure_tail(trial_dir), self.node_rank == 0
         )
-        if outcome == CRASH and (first := unreported_first_failure(trial_dir, reports)):
-            error = first
+        unreported = unreported_first_failure(trial_dir, reports) if outcome == CRASH else None
+        if unreported:
+            error = unreported
         if outcome == CRASH and (early := ended_early(trial_dir)) is not None:
             error = f"{error}\n{early}" if error else early
         steps = finished_steps(trial_dir / PROGRESS_FILE)
@@ -414,6 +451,7 @@ class TrialRunner:
             peak_memory_bytes=max(peaks) if peaks else None,
             stopped=stopped,
             steps=steps,
+            failed_at=failed_at(outcome, reports, unreported is not None, trial_dir),
         )
 
     @property

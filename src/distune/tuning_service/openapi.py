@@ -339,6 +339,13 @@ _TRIAL_SCHEMAS: dict[str, Any] = {
                 "description": "the node's launcher stopped its ranks because a peer failed or "
                 "the trial was closed: the outcome is a symptom",
             },
+            "failed_at": {
+                "type": ["number", "null"],
+                "minimum": 0,
+                "maximum": 1e11,
+                "description": "when the node's first failing rank failed (seconds since the "
+                "epoch): of nodes with one outcome, the first to fail explains it",
+            },
         },
     },
     "TrialRecord": {

@@ -160,6 +160,9 @@ class NodeReport:
     ``peak_memory_bytes`` is the highest of this node's ranks. ``stopped`` says the node's
     launcher stopped its ranks because a peer failed or the trial was closed: its outcome is
     then a symptom, not a cause, and counts only if no node has a better explanation.
+    ``failed_at`` is when the node's first failing rank failed (seconds since the epoch, its
+    own clock): of two nodes that crashed, the one that failed first is the cause, its peer's
+    crash in a collective with it the symptom, whichever report came first.
     """
 
     outcome: str
@@ -168,8 +171,17 @@ class NodeReport:
     measurements: dict[str, Any] | None = None
     peak_memory_bytes: int | None = None
     stopped: bool = False
+    failed_at: float | None = None
 
-    FIELDS = ("outcome", "duration", "error", "measurements", "peak_memory_bytes", "stopped")
+    FIELDS = (
+        "outcome",
+        "duration",
+        "error",
+        "measurements",
+        "peak_memory_bytes",
+        "stopped",
+        "failed_at",
+    )
 
     @classmethod
     def from_json(cls, data: Any) -> NodeReport:
@@ -186,6 +198,12 @@ class NodeReport:
         stopped = body.get("stopped", False)
         if not isinstance(stopped, bool):
             raise RequestError("stopped", f"must be true or false, got {stopped!r}")
+        failed_at = body.get("failed_at")
+        if failed_at is not None:
+            try:
+                failed_at = number_in(failed_at, 0.0, 1e11)
+            except InvalidValue as invalid:
+                raise RequestError("failed_at", str(invalid)) from None
         return cls(
             outcome=_choice("outcome", body["outcome"], OUTCOMES),
             duration=duration,
@@ -195,6 +213,7 @@ class NodeReport:
             if peak is None
             else integer_field("peak_memory_bytes", peak, 0, 2**62),
             stopped=stopped,
+            failed_at=failed_at,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -206,6 +225,7 @@ class NodeReport:
             "measurements": self.measurements,
             "peak_memory_bytes": self.peak_memory_bytes,
             "stopped": self.stopped,
+            "failed_at": self.failed_at,
         }
 
 

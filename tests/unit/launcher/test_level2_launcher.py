@@ -20,7 +20,7 @@ from distune.launcher.level2 import (
 from distune.launcher.main import main
 from distune.launcher.options import parse, trial_pins
 from distune.launcher.trial_args import rewrite_script_args, script_batch
-from distune.launcher.trial_runner import classify, finished_steps, stalled
+from distune.launcher.trial_runner import classify, failed_at, finished_steps, stalled
 from distune.tuning_service.trials.trial_config import TrialConfig, TrialPins
 from distune.tuning_service.trials.trial_result import TrialResult
 
@@ -69,6 +69,10 @@ def test_of_several_crashed_ranks_the_first_to_fail_is_the_cause() -> None:
     assert classify(1, False, [{**peer, "time": 100.8}, cause], None, "")[1] == "KeyError: 'foo'"
     # A report without a time (an older rank's) never hides one with it.
     assert classify(1, False, [peer, cause], None, "")[1] == "KeyError: 'foo'"
+    # The node's report says when its first failure was: the cause's time, not its peer's.
+    reports = [{**peer, "time": 100.8}, cause, {"rank": 2, "outcome": "ok", "time": 99.0}]
+    assert failed_at("crash", reports, False, Path("/nonexistent")) == 100.0
+    assert failed_at("ok", reports, False, Path("/nonexistent")) is None
 
 
 def test_a_timed_out_trial_says_how_far_it_got_and_names_the_flag() -> None:
