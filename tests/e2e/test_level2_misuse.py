@@ -287,3 +287,34 @@ def test_a_trial_ends_with_its_launcher_even_when_the_launcher_is_killed(tmp_pat
         for pid in (trial, *ranks, *descendants(trial)):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+# A DDP habit: the checkpoint taken on rank 0 alone, a collective under ZeRO-1 (the optimizer's).
+SAVES_ON_RANK_0 = """
+import torch, torch.distributed as dist
+from torch import nn
+import distune
+dist.init_process_group("gloo")
+model = nn.Linear(4, 1)
+run = distune.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.1), micro_batch_size=2)
+for step in range(20):
+    run.model(torch.randn(run.micro_batch_size, 4)).sum().backward()
+    run.optimizer.step()
+    run.optimizer.zero_grad()
+    if dist.get_rank() == 0:
+        state = run.optimizer.state_dict()
+"""
+
+
+def test_a_rank_0_checkpoint_in_a_trial_fails_naming_the_call_before_the_watchdog(tmp_path):
+    script = tmp_path / "saves_on_rank_0.py"
+    script.write_text(SAVES_ON_RANK_0)
+    args, _ = parse(["--nproc_per_node", "2", str(script)])
+    run = TrialRunner(args, 8.0, tmp_path / "trials").run(
+        0, TrialSettings(micro_batch=2, accumulation=1, stage=1), [], free_port()
+    )
+    # It used to wait the 300 s of checkpoint_timeout's default: a `timeout` "hang" at 8 s.
+    assert run.outcome == CRASH, run.error
+    assert run.error is not None
+    assert "run.optimizer.state_dict() under ZeRO stage 1" in run.error
+    assert "waited up to 4 s" in run.error

@@ -16,6 +16,7 @@ import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -146,6 +147,24 @@ def _block_classes(blocks: Any, model: nn.Module) -> tuple[type[nn.Module], ...]
     return tuple(blocks)
 
 
+def _join_the_trial(trial_dir: Path, rank: int, collective_timeout: int | None) -> None:
+    """A rank's part of a trial: its failure report, and a collective time-out of the trial's."""
+    install_failure_report(trial_dir, rank)
+    if collective_timeout is not None:
+        # A peer rank that died (on another node, say) must not hold this one in a
+        # collective for torch's default 30 minutes, even if its launcher is gone.
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=collective_timeout))
+
+
+def _trial_checkpoint_timeout(settings: TrialSettings, checkpoint_timeout: float) -> float:
+    """In a trial, a rank-0-only checkpoint call must fail naming itself before the trial's
+    watchdog stops it as a `timeout` "hang" (the default 300 s outlasts the trial's 120): the
+    collective time-out is twice the trial time-out, so it waits at most half of that."""
+    if settings.trial_dir is None or settings.collective_timeout is None:
+        return checkpoint_timeout
+    return min(checkpoint_timeout, settings.collective_timeout / 4)
+
+
 def prepare(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -204,11 +223,8 @@ def prepare(
             "wrap the others"
         )
     if settings.trial_dir is not None and earlier is None:
-        install_failure_report(settings.trial_dir, rank)
-        if settings.collective_timeout is not None:
-            # A peer rank that died (on another node, say) must not hold this one in a
-            # collective for torch's default 30 minutes, even if its launcher is gone.
-            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=settings.collective_timeout))
+        _join_the_trial(settings.trial_dir, rank, settings.collective_timeout)
+    checkpoint_timeout = _trial_checkpoint_timeout(settings, checkpoint_timeout)
     micro = settings.micro_batch or micro_batch_size
     accumulation = settings.accumulation or gradient_accumulation_steps
     stage = settings.stage if settings.stage is not None else 0
