@@ -310,11 +310,12 @@ def test_a_rank_0_checkpoint_in_a_trial_fails_naming_the_call_before_the_watchdo
     script = tmp_path / "saves_on_rank_0.py"
     script.write_text(SAVES_ON_RANK_0)
     args, _ = parse(["--nproc_per_node", "2", str(script)])
-    run = TrialRunner(args, 8.0, tmp_path / "trials").run(
+    # 16 s: room for the start-up of two ranks on a loaded machine (it counts against it).
+    run = TrialRunner(args, 16.0, tmp_path / "trials").run(
         0, TrialSettings(micro_batch=2, accumulation=1, stage=1), [], free_port()
     )
-    # It used to wait the 300 s of checkpoint_timeout's default: a `timeout` "hang" at 8 s.
+    # It used to wait the 300 s of checkpoint_timeout's default: a `timeout` "hang" at 16 s.
     assert run.outcome == CRASH, run.error
     assert run.error is not None
     assert "run.optimizer.state_dict() under ZeRO stage 1" in run.error
-    assert "waited up to 4 s" in run.error
+    assert "waited up to 8 s" in run.error
