@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 
 import distune
 from distune.trial_settings import ACCUMULATION, MICRO_BATCH, TRIAL_DIR
-from distune.worker_runtime.prepare import Prepared
+from distune.worker_runtime.prepare import Prepared, optimizer_state_bytes
 from distune.worker_runtime.strategy import StrategyError
 from distune.worker_runtime.trial_measurement import TrialStepError
 
@@ -286,3 +286,25 @@ def test_a_trial_whose_loss_diverged_crashes_rather_than_be_measured(tmp_path, m
             run.memory.__exit__(None, None, None)  # type: ignore[attr-defined]
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_an_unused_parameters_missing_optimizer_state_is_not_counted_unsharded():
+    used, spare = nn.Linear(64, 64), nn.Linear(64, 16)  # the spare never gets a gradient
+    optimizer = torch.optim.AdamW([*used.parameters(), *spare.parameters()], lr=0.1)
+    used(torch.randn(2, 64)).sum().backward()
+    optimizer.step()
+    used_bytes = 4 * (64 * 64 + 64)
+    trained = used_bytes + 4 * (64 * 16 + 16)  # every trained parameter's bytes
+    held = sum(
+        v.numel() * v.element_size()
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    )
+    assert held == 2 * used_bytes + 8  # Adam's two moments of the used Linear, two step counts
+    # It used to be scaled to every trained parameter, the spare's missing state included.
+    assert optimizer_state_bytes(optimizer, trained, sharded=False) == held
+    # A shard's state is scaled to the whole model: the same per byte, over every parameter.
+    assert optimizer_state_bytes(optimizer, trained, sharded=True) == round(
+        trained * held / used_bytes
+    )
