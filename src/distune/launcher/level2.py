@@ -115,6 +115,24 @@ def no_blocks_notice(untried: tuple[str, ...]) -> str:
     )
 
 
+def batch_norm_notice(facts: dict[str, Any], space: TrialSpace, own: TrialConfig) -> str | None:
+    """Said where the profile found batch norms in the model and the search may change the
+    micro-batch: their statistics are over each micro-batch, so the global batch held is not
+    the training held (a ResNet at 2 x 8 normalises over 2 samples where the script's 16 x 1
+    did over 16). None where there are none, or the micro-batch cannot change."""
+    norms = facts.get("batch_norms")
+    if not isinstance(norms, int) or norms < 1 or len(space.micro_batches()) < 2:
+        return None
+    counted, their = (f"{norms} batch norms", "their") if norms > 1 else ("a batch norm", "its")
+    return (
+        f"the model has {counted}: {their} statistics are over each micro-batch, so a trial "
+        f"at another micro-batch than the script's own ({own.micro_batch}) trains with other "
+        "statistics (the same global "
+        f"batch, not the same math); pin train_micro_batch_size_per_gpu: {own.micro_batch} in "
+        "--autotune_config to keep it"
+    )
+
+
 #: Seconds node 0 waits for the other nodes' reports beyond the trial time-out (their own
 #: watchdogs fire within the time-out, and stopping takes a few seconds more).
 LATE_REPORT_GRACE = 15.0
@@ -752,6 +770,8 @@ class Level2:
         untried = space.untried_for_want_of_blocks()
         if untried:
             self._notice(no_blocks_notice(untried))
+        if (normed := batch_norm_notice(profile.facts, space, profile.config)) is not None:
+            self._notice(normed)
         if profile.facts.get("api") == WRAPPER_API:
             self._notice(
                 "the script is measured through distune.DistributedDataParallel (it never calls "

@@ -33,6 +33,7 @@ from distune.worker_runtime.trial_measurement import (
     TrialMeasurement,
     TrialStepError,
     WrapperMeasurement,
+    batch_norms,
     install_failure_report,
     measures_trial,
     preparing,
@@ -240,6 +241,7 @@ def prepare(
     checkpointing = bool(settings.checkpointing)
     bf16 = bool(settings.bf16)
     parameter_bytes, gradient_bytes, largest_block = _facts(model, block_classes)
+    norms = batch_norms(model)
 
     with preparing():  # the DDP made here is measured by prepare, not by itself
         applied = apply(
@@ -284,6 +286,7 @@ def prepare(
             "optimizer_state_bytes": optimizer_state_bytes(
                 applied.optimizer, gradient_bytes, sharded=stage > 0
             ),
+            "batch_norms": norms,
         }
 
     if earlier is not None:

@@ -51,7 +51,7 @@ _PREPARING: ContextVar[bool] = ContextVar("distune_preparing", default=False)
 #: A model's sizes a trial reports; a process's models add up, but for the facts picked
 #: (``largest_block_bytes``: the largest; ``repeated_block_classes``: the fewest, since ZeRO-3
 #: and checkpointing need blocks in every model).
-_SUMMED_FACTS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes")
+_SUMMED_FACTS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "batch_norms")
 _PICKED_FACTS: dict[str, Callable[[int, int], int]] = {
     "largest_block_bytes": max,
     "repeated_block_classes": min,
@@ -435,6 +435,12 @@ class TrialMeasurement:
         os._exit(0)
 
 
+def batch_norms(module: nn.Module) -> int:
+    """How many batch norms ``module`` holds: their statistics are over each micro-batch, so a
+    trial at another micro-batch trains with other statistics (level 2 says so)."""
+    return sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+
 def wrapped_model_facts(module: nn.Module) -> dict[str, int]:
     """The sizes a trial reports of a model wrapped in distune's DDP without ``prepare``."""
     params = list(module.parameters())
@@ -445,6 +451,7 @@ def wrapped_model_facts(module: nn.Module) -> dict[str, int]:
         # and the optimizer (which the wrapper never sees) is in the profile's residual.
         "largest_block_bytes": 0,
         "optimizer_state_bytes": 0,
+        "batch_norms": batch_norms(module),
     }
 
 

@@ -705,3 +705,26 @@ def test_a_prepare_trial_holding_its_micro_batch_elsewhere_than_the_profile_is_r
     assert moved.endswith("build each micro-batch with run.micro_batch_size samples")
     assert batch_moved(ran(0, 4, [0]), ran(1, 32, [0, 1]), None) is None  # (32, 32): built so
     assert batch_moved(ran(0, 4, [1]), ran(1, 8, [1]), None) is None  # sequence-first, (35, 8)
+
+
+def test_a_model_with_batch_norms_is_told_that_the_micro_batch_changes_their_statistics() -> None:
+    from torch import nn
+
+    from distune.launcher.level2 import batch_norm_notice
+    from distune.tuning_service.trials.trial_space import TrialSpace
+    from distune.worker_runtime.trial_measurement import batch_norms
+
+    resnet_ish = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.BatchNorm2d(8))
+    assert batch_norms(resnet_ish) == 2  # what the profile trial reports as `batch_norms`
+    own = TrialConfig(16, 1, 0, False)
+    space = TrialSpace(TrialPins(), 2, own)
+    assert batch_norm_notice({"batch_norms": 2}, space, own) == (
+        "the model has 2 batch norms: their statistics are over each micro-batch, so a trial at "
+        "another micro-batch than the script's own (16) trains with other statistics (the same "
+        "global batch, not the same math); pin train_micro_batch_size_per_gpu: 16 in "
+        "--autotune_config to keep it"
+    )
+    pinned = TrialSpace(TrialPins(micro_batch=16), 2, own)
+    assert batch_norm_notice({"batch_norms": 2}, pinned, own) is None  # nothing to change
+    assert batch_norm_notice({"batch_norms": 0}, space, own) is None
+    assert batch_norm_notice({}, space, own) is None  # a profile of an earlier version
