@@ -641,6 +641,7 @@ class Level2:
             facts=measured or None,
             steps=run.steps,
             batch_change=batch_change,
+            diverged=combined.get("diverged") is True,
         )
         why = refuse(result) if refuse is not None and result.outcome == OK else None
         if why is not None:  # never recorded as measuring what it did not run

@@ -71,6 +71,8 @@ class TrialRun:
     #: When the node's first failing rank failed (seconds since the epoch), for an oom or a
     #: crash: of two nodes that failed, the first is the cause (:func:`failed_at`).
     failed_at: float | None = None
+    #: Whether it crashed because the model's parameters went NaN or inf (its ranks said so).
+    diverged: bool = False
 
 
 def failure_exit_code(error: ChildFailedError) -> int:
@@ -452,6 +454,7 @@ class TrialRunner:
             stopped=stopped,
             steps=steps,
             failed_at=failed_at(outcome, reports, unreported is not None, trial_dir),
+            diverged=outcome == CRASH and any(r.get("diverged") is True for r in reports),
         )
 
     @property

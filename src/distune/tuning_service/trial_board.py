@@ -126,6 +126,7 @@ class _Trial:
             "measurements": measured if outcome == OK else None,
             "peak_memory_bytes": max(peaks) if peaks else None,
             "duration": max(r.duration for r in self.reports.values()),
+            "diverged": outcome == CRASH and first.diverged,
         }
 
     def view(self) -> dict[str, Any]:

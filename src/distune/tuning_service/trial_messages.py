@@ -162,7 +162,8 @@ class NodeReport:
     then a symptom, not a cause, and counts only if no node has a better explanation.
     ``failed_at`` is when the node's first failing rank failed (seconds since the epoch, its
     own clock): of two nodes that crashed, the one that failed first is the cause, its peer's
-    crash in a collective with it the symptom, whichever report came first.
+    crash in a collective with it the symptom, whichever report came first. ``diverged``: the
+    node's crash is the model's parameters going NaN or inf (the search prunes its micro-batch).
     """
 
     outcome: str
@@ -172,6 +173,7 @@ class NodeReport:
     peak_memory_bytes: int | None = None
     stopped: bool = False
     failed_at: float | None = None
+    diverged: bool = False
 
     FIELDS = (
         "outcome",
@@ -181,6 +183,7 @@ class NodeReport:
         "peak_memory_bytes",
         "stopped",
         "failed_at",
+        "diverged",
     )
 
     @classmethod
@@ -198,6 +201,9 @@ class NodeReport:
         stopped = body.get("stopped", False)
         if not isinstance(stopped, bool):
             raise RequestError("stopped", f"must be true or false, got {stopped!r}")
+        diverged = body.get("diverged", False)
+        if not isinstance(diverged, bool):
+            raise RequestError("diverged", f"must be true or false, got {diverged!r}")
         failed_at = body.get("failed_at")
         if failed_at is not None:
             try:
@@ -214,6 +220,7 @@ class NodeReport:
             else integer_field("peak_memory_bytes", peak, 0, 2**62),
             stopped=stopped,
             failed_at=failed_at,
+            diverged=diverged,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -226,6 +233,7 @@ class NodeReport:
             "peak_memory_bytes": self.peak_memory_bytes,
             "stopped": self.stopped,
             "failed_at": self.failed_at,
+            "diverged": self.diverged,
         }
 
 

@@ -62,6 +62,11 @@ class TrialStepError(DistuneError, RuntimeError):
     """A trial's steps do not match its configuration; the message says what differed."""
 
 
+class DivergedError(TrialStepError):
+    """The model's trained parameters went NaN or inf in the trial's steps: the configuration
+    does not train (its loss diverged at this micro-batch or precision)."""
+
+
 @dataclass
 class _ProcessMeasure:
     """A process's one memory meter and, in a trial, its one measurement, whatever the
@@ -160,7 +165,10 @@ def install_failure_report(trial_dir: Path, rank: int) -> None:
         lines = "".join(traceback.format_exception(kind, error, tb)).splitlines()
         outcome = "oom" if is_out_of_memory(error) else "crash"
         tail = "\n".join(lines[-_TRACEBACK_TAIL_LINES:])
-        write_rank_outcome(trial_dir, rank, outcome, error=tail)
+        # A diverged configuration is a crash the search treats by its micro-batch (as an
+        # out of memory), not by its strategy: it says so in a field, not only in words.
+        diverged = {"diverged": True} if isinstance(error, DivergedError) else {}
+        write_rank_outcome(trial_dir, rank, outcome, error=tail, **diverged)
         previous(kind, error, tb)
 
     sys.excepthook = report
@@ -402,7 +410,7 @@ class TrialMeasurement:
         if not_finite:
             # Measured, but not training: a configuration whose loss diverged (a larger batch
             # at the script's learning rate, bf16's precision) is no candidate, however fast.
-            raise TrialStepError(
+            raise DivergedError(
                 "distune trial: the model's parameters hold NaN or inf after the trial's "
                 f"{self.warmup + self.measured} steps (checked on every rank): this "
                 "configuration does not train, so it is not measured as one that does; check "

@@ -278,9 +278,13 @@ def test_a_trial_whose_loss_diverged_crashes_rather_than_be_measured(tmp_path, m
         # The loss of this configuration diverges (a sum that overflows at a large micro-batch).
         (run.model(torch.randn(4, 16)).sum() * float("inf")).backward()
         with pytest.raises(TrialStepError, match="the model's parameters hold NaN or inf after "
-                           "the trial's 2 steps"):  # fmt: skip
+                           "the trial's 2 steps") as raised:  # fmt: skip
             run.optimizer.step()
         assert not (tmp_path / "result.json").exists()  # nothing measured was reported
+        # The rank's report says it diverged, in a field: the search prunes the micro-batch.
+        sys.excepthook(raised.type, raised.value, raised.tb)
+        report = json.loads((tmp_path / "rank0.json").read_text())
+        assert (report["outcome"], report["diverged"]) == ("crash", True)
     finally:
         if run is not None and run.memory is not None:
             run.memory.__exit__(None, None, None)  # type: ignore[attr-defined]
