@@ -197,16 +197,22 @@ def test_the_crash_shown_is_the_rank_that_failed_first_not_its_peers_collective(
     assert "Connection closed by peer" not in run.error  # rank 0's report: a symptom
     assert run.error.startswith("rank 1 exited with status 1")
     assert run.error.splitlines()[-1] == "rank 1: corrupt shard 00017.bin"
+    # When the cause failed, which a node's report carries (on two nodes the first to fail is
+    # the cause): rank 1's last output, before rank 0's report of its symptom.
+    symptom = json.loads((run.log_path.parent / "rank0.json").read_text())["time"]
+    assert run.failed_at is not None and symptom - 30 < run.failed_at <= symptom
 
 
-# Starts a helper it would stop in its `finally`, which a measured rank's os._exit skips.
+# Starts helpers it would stop in its `finally`, which a measured rank's os._exit skips: one
+# with the rank's environment, one with an environment of its own (no DISTUNE_TRIAL_DIR).
 STARTS_A_HELPER = """
-import subprocess, sys, torch, torch.distributed as dist
+import os, subprocess, sys, torch, torch.distributed as dist
 from torch import nn
 import distune
 dist.init_process_group("gloo")
 helper = subprocess.Popen(["sleep", "120"])
-open(sys.argv[1], "w").write(str(helper.pid))
+own_env = subprocess.Popen(["sleep", "120"], env={"PATH": os.environ["PATH"]})
+open(sys.argv[1], "w").write(f"{helper.pid} {own_env.pid}")
 try:
     model = nn.Linear(4, 1)
     run = distune.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2)
@@ -216,6 +222,7 @@ try:
         run.optimizer.zero_grad()
 finally:
     helper.terminate()
+    own_env.terminate()
 """
 
 
@@ -227,13 +234,16 @@ def test_what_a_measured_rank_left_running_ends_with_its_trial(tmp_path):
     run = one_trial(tmp_path, [str(script)]).run(
         0, TrialSettings(micro_batch=2, accumulation=1), [str(pid_file)], free_port()
     )
-    helper = int(pid_file.read_text())
+    helpers = [int(pid) for pid in pid_file.read_text().split()]
     try:
         assert run.outcome == OK, run.error
-        assert not running(helper)  # it used to run on, a child of init, for its 120 s
+        # They used to run on, children of init, for their 120 s; the one with an environment
+        # of its own even after the sweep by DISTUNE_TRIAL_DIR (found now by its session).
+        assert [running(pid) for pid in helpers] == [False, False]
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(helper, signal.SIGKILL)
+        for pid in helpers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 # A launcher as the trial runner starts a trial, which then dies without stopping it.
@@ -277,3 +287,35 @@ def test_a_trial_ends_with_its_launcher_even_when_the_launcher_is_killed(tmp_pat
         for pid in (trial, *ranks, *descendants(trial)):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+# A DDP habit: the checkpoint taken on rank 0 alone, a collective under ZeRO-1 (the optimizer's).
+SAVES_ON_RANK_0 = """
+import torch, torch.distributed as dist
+from torch import nn
+import distune
+dist.init_process_group("gloo")
+model = nn.Linear(4, 1)
+run = distune.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.1), micro_batch_size=2)
+for step in range(20):
+    run.model(torch.randn(run.micro_batch_size, 4)).sum().backward()
+    run.optimizer.step()
+    run.optimizer.zero_grad()
+    if dist.get_rank() == 0:
+        state = run.optimizer.state_dict()
+"""
+
+
+def test_a_rank_0_checkpoint_in_a_trial_fails_naming_the_call_before_the_watchdog(tmp_path):
+    script = tmp_path / "saves_on_rank_0.py"
+    script.write_text(SAVES_ON_RANK_0)
+    args, _ = parse(["--nproc_per_node", "2", str(script)])
+    # 16 s: room for the start-up of two ranks on a loaded machine (it counts against it).
+    run = TrialRunner(args, 16.0, tmp_path / "trials").run(
+        0, TrialSettings(micro_batch=2, accumulation=1, stage=1), [], free_port()
+    )
+    # It used to wait the 300 s of checkpoint_timeout's default: a `timeout` "hang" at 16 s.
+    assert run.outcome == CRASH, run.error
+    assert run.error is not None
+    assert "run.optimizer.state_dict() under ZeRO stage 1" in run.error
+    assert "waited up to 8 s" in run.error

@@ -74,10 +74,13 @@ def train(
     bf16: bool = False,
     clip: float | None = None,
     scaler: type[torch.amp.GradScaler] | None = None,
+    seed_per_rank: bool = False,
 ) -> list[float]:
     """Losses of STEPS optimizer steps on this rank's fixed data, under one configuration
     (then, where gradients are clipped to ``clip``, the norms ``run.clip_grad_norm_`` saw),
-    stepped through a gradient scaler of class ``scaler`` if given."""
+    stepped through a gradient scaler of class ``scaler`` if given. ``seed_per_rank`` builds
+    each rank's model from a seed of its own (timm's ``random_seed(seed, rank)``), as DDP
+    scripts may: rank 0's seed is 0, so the model trained is the one seed 0 builds."""
     os.environ.update(
         {
             BF16: str(int(bf16)),
@@ -88,7 +91,7 @@ def train(
         }
     )
     rank = torch.distributed.get_rank()
-    torch.manual_seed(0)
+    torch.manual_seed(rank if seed_per_rank else 0)
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     name = f"net{stage}{micro}{'b' if bf16 else ''}"
@@ -134,7 +137,17 @@ def strategies_train_the_same_model(out: Path) -> dict:
     # norm (torch's clip_grad_norm_ under FSDP) would train another model.
     clipped = [(0, False, 4), (1, False, 2), (2, False, 4), (3, False, 2)]
     clipped_losses = {f"clip {s}/{c}/{m}": train(s, c, m, clip=0.01) for s, c, m in clipped}
-    return {**losses, **clipped_losses, STOCK_ZERO1: zero1_against_stock_zero1()}
+    # Every rank's model from its own seed: each stage trains rank 0's, as DDP does.
+    seeded = [(2, False, 4), (3, False, 2)]
+    seeded_losses = {
+        f"seeded per rank {s}/{c}/{m}": train(s, c, m, seed_per_rank=True) for s, c, m in seeded
+    }
+    return {
+        **losses,
+        **clipped_losses,
+        **seeded_losses,
+        STOCK_ZERO1: zero1_against_stock_zero1(),
+    }
 
 
 @scenario
@@ -158,6 +171,45 @@ def gradient_scalers_under_sharded_stages(out: Path) -> dict:
         train(2, False, 4, scaler=torch.amp.GradScaler)
     except StrategyError as error:
         results["zero2 GradScaler"] = str(error)
+    return results
+
+
+class NormedBlock(nn.Module):
+    """A block with a batch norm: running statistics updated by every training forward."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.norm = nn.BatchNorm1d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.norm(self.linear(x)))
+
+
+@scenario
+def checkpointing_keeps_batch_norm_statistics(out: Path) -> dict:
+    """Each rank's batch norms' buffers (running mean and variance, batches tracked) after
+    STEPS steps of a model of NormedBlocks, with and without checkpointing."""
+    results = {}
+    for stage, checkpointing in [(0, False), (0, True), (3, True)]:
+        os.environ.update({ZERO_STAGE: str(stage), CHECKPOINTING: str(int(checkpointing)),
+                           MICRO_BATCH: str(PER_RANK), ACCUMULATION: "1"})  # fmt: skip
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), *(NormedBlock(16) for _ in range(2)))
+        norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm1d)]
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        run = distune.prepare(
+            model, optimizer, micro_batch_size=PER_RANK, name=f"bn{stage}{checkpointing}",
+            blocks=(NormedBlock,),
+        )  # fmt: skip
+        data = torch.Generator().manual_seed(100 + torch.distributed.get_rank())
+        for _ in range(STEPS):
+            run.model(torch.randn(PER_RANK, 8, generator=data)).square().mean().backward()
+            run.optimizer.step()
+            run.optimizer.zero_grad()
+        results[f"{stage}/{checkpointing}"] = [
+            b.float().tolist() for norm in norms for b in norm.buffers()
+        ]
     return results
 
 
@@ -223,6 +275,7 @@ SCENARIO_ORDER = [
     "strategies_train_the_same_model",
     "bf16_strategies_train_the_same_model",
     "gradient_scalers_under_sharded_stages",
+    "checkpointing_keeps_batch_norm_statistics",
     "memory_cap_raises_out_of_memory",
 ]
 
@@ -268,6 +321,20 @@ def test_a_gradient_scaler_that_checks_a_shard_alone_is_refused_under_zero2(job)
         reference = rank_result["ddp GradScaler"]
         for config, losses in rank_result.items():
             torch.testing.assert_close(losses, reference, rtol=1e-5, atol=1e-6, msg=config)
+
+
+def test_checkpointing_updates_batch_norm_statistics_once_a_forward(job):
+    for rank, rank_result in enumerate(job["checkpointing_keeps_batch_norm_statistics"]):
+        reference = rank_result.pop("0/False")
+        tracked = [b for b in reference if not isinstance(b, list)]
+        assert tracked == [STEPS, STEPS]  # one update a forward, in each of the two norms
+        if rank > 0:
+            # DDP copies rank 0's buffers before each forward, FSDP keeps each rank's own:
+            # only rank 0's (those a checkpoint saves) are the same under both.
+            del rank_result["3/True"]
+        for config, buffers in rank_result.items():
+            # The recomputation in backward used to update them again: 2 x STEPS tracked.
+            torch.testing.assert_close(buffers, reference, rtol=1e-5, atol=1e-6, msg=config)
 
 
 def test_the_memory_cap_raises_torchs_out_of_memory_error_on_cpu(job):

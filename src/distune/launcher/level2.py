@@ -78,12 +78,25 @@ _TAKING_PART = (
 )
 
 
+#: Where the script's own configuration runs out of memory: the search measures everything
+#: from that trial, so it cannot start; what can.
+_START_THAT_FITS = (
+    ". Level 2 measures the model in the script's own configuration first, so that one must "
+    "fit: give the script a smaller micro-batch with more accumulation steps (the same global "
+    "batch), or pin a configuration that saves memory in --autotune_config "
+    "(zero_optimization: {stage: 3}, activation_checkpointing: true; the search then keeps "
+    "what is pinned), or, with --autotune_device_memory, a larger cap"
+)
+
+
 def profile_failed(profile: TrialResult) -> str:
     """What is said where the profile trial did not end ok. It tells how to take part in
     level 2 only where the script did not: no step of it finished under distune, and it did not
     fail on its own (out of memory, a crash)."""
     took_part = profile.steps is not None
     hint = "" if profile.outcome in (OOM, CRASH) or took_part else _TAKING_PART
+    if profile.outcome == OOM:
+        hint = _START_THAT_FITS
     return (
         f"the profile trial (the script's own configuration) ended {profile.outcome}: "
         f"nothing to tune from; see its log{hint}"
@@ -99,6 +112,24 @@ def no_blocks_notice(untried: tuple[str, ...]) -> str:
         "the model has no repeated blocks (a ModuleList or Sequential of two or more modules, all "
         f"of one class), so {' and '.join(untried)} {verb} not tried; pass blocks=(YourBlock,) "
         f"to distune.prepare to try {them}"
+    )
+
+
+def batch_norm_notice(facts: dict[str, Any], space: TrialSpace, own: TrialConfig) -> str | None:
+    """Said where the profile found batch norms in the model and the search may change the
+    micro-batch: their statistics are over each micro-batch, so the global batch held is not
+    the training held (a ResNet at 2 x 8 normalises over 2 samples where the script's 16 x 1
+    did over 16). None where there are none, or the micro-batch cannot change."""
+    norms = facts.get("batch_norms")
+    if not isinstance(norms, int) or norms < 1 or len(space.micro_batches()) < 2:
+        return None
+    counted, their = (f"{norms} batch norms", "their") if norms > 1 else ("a batch norm", "its")
+    return (
+        f"the model has {counted}: {their} statistics are over each micro-batch, so a trial "
+        f"at another micro-batch than the script's own ({own.micro_batch}) trains with other "
+        "statistics (the same global "
+        f"batch, not the same math); pin train_micro_batch_size_per_gpu: {own.micro_batch} in "
+        "--autotune_config to keep it"
     )
 
 
@@ -555,11 +586,15 @@ class Level2:
         purpose: str,
         predicted: int | None,
         refuse: Callable[[TrialResult], str | None] | None = None,
+        batch_change: str | None = None,
     ) -> TrialResult:
         """Run (or, resuming, reuse) one trial on every node and record it; one that ran ok
-        but ``refuse`` says did not run its configuration is recorded as a crash saying so."""
+        but ``refuse`` says did not run its configuration is recorded as a crash saying so.
+        ``batch_change`` says how its global batch differs from the script's own, as its
+        record (``trials.jsonl``, the board, the summary) carries it."""
         reused = self._reused(index, config, purpose)
         if reused is not None:
+            reused = replace(reused, batch_change=batch_change)
             self._say(f"trial {index}: {reused.describe()}: {reused.outcome} (resumed)")
             self.client.record(index, reused.to_json())
             self.report.add(reused)
@@ -605,6 +640,8 @@ class Level2:
             error=combined.get("error"),
             facts=measured or None,
             steps=run.steps,
+            batch_change=batch_change,
+            diverged=combined.get("diverged") is True,
         )
         why = refuse(result) if refuse is not None and result.outcome == OK else None
         if why is not None:  # never recorded as measuring what it did not run
@@ -734,6 +771,8 @@ class Level2:
         untried = space.untried_for_want_of_blocks()
         if untried:
             self._notice(no_blocks_notice(untried))
+        if (normed := batch_norm_notice(profile.facts, space, profile.config)) is not None:
+            self._notice(normed)
         if profile.facts.get("api") == WRAPPER_API:
             self._notice(
                 "the script is measured through distune.DistributedDataParallel (it never calls "
@@ -780,12 +819,12 @@ class Level2:
             proposal.purpose,
             proposal.predicted_memory_bytes,
             refuse=lambda ran: batch_moved(profile, ran, flag),
+            batch_change=search.space.batch_change(proposal.config),
         )
         moved = batch_moved(profile, result, flag)
         if moved is not None:
             raise OptionError(f"--autotune_level 2: {moved}")
-        change = search.space.batch_change(proposal.config)
-        search.record(replace(result, batch_change=change))
+        search.record(result)
 
     def chosen(self, search: TrialSearch) -> Chosen | None:
         """The winner as ``run`` mode trains it; also writes best_config.json and the command."""

@@ -107,6 +107,8 @@ class NodeTrials:
             "measurements": run.measurements,
             "peak_memory_bytes": run.peak_memory_bytes,
             "stopped": run.stopped is not None,
+            "failed_at": run.failed_at,
+            "diverged": run.diverged,
         }
         try:
             self.client.report(number, self.node_rank, report)

@@ -40,10 +40,11 @@ class TrialReport:
 
     def line(self, result: TrialResult) -> str:
         """The progress line of a finished trial."""
+        what = result.describe() + (f", {result.batch_change}" if result.batch_change else "")
         if result.outcome != OK:
             why = (result.error or "").strip().splitlines()
             return (
-                f"trial {result.trial}: {result.describe()}: {result.outcome}"
+                f"trial {result.trial}: {what}: {result.outcome}"
                 f"{f' ({why[-1][:160]})' if why else ''} after {result.duration:.1f} s"
             )
         peak = result.peak_memory_bytes or 0
@@ -51,7 +52,7 @@ class TrialReport:
         predicted_text = f" (predicted {predicted / MiB:.1f})" if predicted else ""
         spread = result.throughput_spread or 0.0
         return (
-            f"trial {result.trial}: {result.describe()}: ok, {self._value(result)} "
+            f"trial {result.trial}: {what}: ok, {self._value(result)} "
             f"(spread {spread:.1%}), peak {peak / MiB:.1f} MiB{predicted_text}, "
             f"{result.duration:.1f} s"
         )
@@ -77,6 +78,15 @@ class TrialReport:
         signal, an error): the summary then holds the trials recorded so far, and says so."""
         lines = ["# distune level 2", ""]
         profile = next((r for r in self.results if r.purpose == "profile"), None)
+        # Under --autotune_allow_batch_change a trial may train another global batch than the
+        # script's own: said wherever it is, since its throughput is then not the same
+        # training made faster.
+        own_batch = profile.config.global_batch(profile.world_size) if profile else None
+
+        def batch_of(config: TrialConfig, world_size: int) -> str:
+            batch = config.global_batch(world_size)
+            return "" if own_batch in (None, batch) else f", global batch {batch}"
+
         best = search.best() if search is not None else None
         unit = "samples/s" if self.metric == THROUGHPUT else "s/step"
         if stopped is not None:
@@ -112,15 +122,23 @@ class TrialReport:
             mean = sum(search.scores(best)) / len(search.scores(best))
             shown = mean if self.metric == THROUGHPUT else -mean
             title = "Best so far" if stopped is not None else "Best"
+            changed = batch_of(best, profile.world_size)
             lines.append(
-                f"**{title}:** {best.describe()}: {shown:.3f} {unit} (mean of its trials)."
+                f"**{title}:** {best.describe()}{changed}: {shown:.3f} {unit} (mean of its trials)."
             )
             if profile.outcome == OK:
                 base = profile.value(self.metric)
                 gain = mean / base if self.metric == THROUGHPUT else base / mean
+                against = (
+                    f" (the winner trains global batch {best.global_batch(profile.world_size)}"
+                    f" against the script's {own_batch}: --autotune_allow_batch_change changed "
+                    "the training, not only its speed)"
+                    if changed
+                    else ""
+                )
                 lines.append(
                     f"The script's own configuration ({profile.config.describe()}): "
-                    f"{abs(base):.3f} {unit}; gain {gain:.2f}x."
+                    f"{abs(base):.3f} {unit}; gain {gain:.2f}x{against}."
                 )
         else:
             lines.append("**No configuration completed a trial.**")
@@ -135,7 +153,8 @@ class TrialReport:
             peak = f"{r.peak_memory_bytes / MiB:.1f}" if r.peak_memory_bytes else "-"
             predicted = f"{r.predicted_memory_bytes / MiB:.1f}" if r.predicted_memory_bytes else "-"
             lines.append(
-                f"| {r.trial} | {r.purpose} | {r.describe()} | {r.outcome} | {value} | "
+                f"| {r.trial} | {r.purpose} | {r.describe()}{batch_of(r.config, r.world_size)} "
+                f"| {r.outcome} | {value} | "
                 f"{peak} | {predicted} | {r.duration:.1f} |"
             )
         failed = [r for r in self.results if r.outcome != OK and r.error]

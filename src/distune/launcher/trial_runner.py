@@ -68,6 +68,11 @@ class TrialRun:
     #: The optimizer steps the node's first rank finished under distune (its progress file);
     #: None where none did (the script never reached distune, or failed before a step).
     steps: int | None = None
+    #: When the node's first failing rank failed (seconds since the epoch), for an oom or a
+    #: crash: of two nodes that failed, the first is the cause (:func:`failed_at`).
+    failed_at: float | None = None
+    #: Whether it crashed because the model's parameters went NaN or inf (its ranks said so).
+    diverged: bool = False
 
 
 def failure_exit_code(error: ChildFailedError) -> int:
@@ -195,16 +200,46 @@ def _belongs(pid: int, trial_dir: Path) -> bool:
         return False
 
 
-def left_running(trial_dir: Path) -> set[int]:
-    """The processes still carrying this trial's ``DISTUNE_TRIAL_DIR`` (found in /proc; empty
-    where absent) once its ranks ended: what a rank started and left behind (a helper server
-    the script stops in a ``finally``, DataLoader workers), since a measured rank ends at once
-    with ``os._exit``, and neither its ``finally`` blocks nor its atexit handlers run."""
+def _live_session(pid: int) -> int | None:
+    """The session id of ``pid`` (the fourth field after the command in /proc's stat), or None
+    where it is gone or a zombie (dead: its parent has yet to reap it)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return None if fields[0] == "Z" else int(fields[3])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def trial_sessions(trial_pid: int, trial_dir: Path) -> frozenset[int]:
+    """The sessions of a trial: its job's (started as a session of its own) and each measured
+    rank's (torch's agent starts every rank as a session of its own; a rank writes its pid
+    file once distune measures it)."""
+    sessions = {trial_pid}
+    for pid_file in trial_dir.glob("pid.*"):
+        with contextlib.suppress(OSError, ValueError):
+            sessions.add(int(pid_file.read_text()))
+    return frozenset(sessions)
+
+
+def left_running(trial_dir: Path, sessions: frozenset[int] = frozenset()) -> set[int]:
+    """The processes still carrying this trial's ``DISTUNE_TRIAL_DIR``, or still in one of its
+    ``sessions`` (:func:`trial_sessions`), found in /proc (empty where absent) once its ranks
+    ended: what a rank started and left behind (a helper server the script stops in a
+    ``finally``, DataLoader workers), since a measured rank ends at once with ``os._exit``,
+    and neither its ``finally`` blocks nor its atexit handlers run. The session finds a helper
+    started with an environment of its own (``Popen(..., env={...})``), which the variable
+    misses; one that left the session (a daemon's ``setsid``) keeps the variable unless it
+    also replaced its environment. A session id outlives its leader; it could name another
+    process's only if the leader's pid were reused, between the trial's end and this sweep,
+    by a new session leader."""
     found: set[int] = set()
     with contextlib.suppress(OSError):
         for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and _belongs(int(entry.name), trial_dir):
-                found.add(int(entry.name))
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            pid = int(entry.name)
+            if _belongs(pid, trial_dir) or (sessions and _live_session(pid) in sessions):
+                found.add(pid)
     return found
 
 
@@ -216,14 +251,47 @@ def read_log_tail(path: Path) -> str:
     return ""
 
 
+def _first_failure_logs(trial_dir: Path) -> list[Path]:
+    failure = read_json_object(trial_dir / FAILURE_FILE)
+    if failure is None:
+        return []
+    local_rank = failure.get("local_rank")
+    return sorted(trial_dir.glob(f"{RANK_LOGS}/*/attempt_0/{local_rank}/stderr.log"))
+
+
+def first_failure_time(trial_dir: Path) -> float | None:
+    """When the first failed rank wrote its stderr last (seconds since the epoch): its
+    failure's time where it wrote no report (``sys.exit("...")`` prints as it ends); None
+    where the trial job recorded no failure."""
+    for stderr in _first_failure_logs(trial_dir):
+        with contextlib.suppress(OSError):
+            return stderr.stat().st_mtime
+    return None
+
+
+def failed_at(
+    outcome: str, reports: list[dict[str, Any]], unreported: bool, trial_dir: Path
+) -> float | None:
+    """When this node's trial failed as ``outcome``: the earliest report of it, or, where its
+    first failed rank wrote none (``unreported``), that rank's last output; None where no
+    failure says when (an ok trial, a time-out)."""
+    if unreported:
+        return first_failure_time(trial_dir)
+    times = [
+        r["time"]
+        for r in reports
+        if r.get("outcome") == outcome and isinstance(r.get("time"), int | float)
+    ]
+    return float(min(times)) if times and outcome in (OOM, CRASH) else None
+
+
 def first_failure_stderr(trial_dir: Path) -> str | None:
     """The first failed rank's own stderr tail, with its rank and exit status (None where the
     trial job recorded no failure, or the rank wrote nothing to stderr)."""
     failure = read_json_object(trial_dir / FAILURE_FILE)
     if failure is None:
         return None
-    local_rank = failure.get("local_rank")
-    for stderr in trial_dir.glob(f"{RANK_LOGS}/*/attempt_0/{local_rank}/stderr.log"):
+    for stderr in _first_failure_logs(trial_dir):
         tail = read_log_tail(stderr)
         if tail:
             return (
@@ -348,15 +416,16 @@ class TrialRunner:
             finally:
                 if process.poll() is None:
                     self._stop(process, trial_dir)
-                self._end_left_running(trial_dir)
+                self._end_left_running(trial_dir, trial_sessions(process.pid, trial_dir))
         exit_code = process.returncode
         reports = [r for p in sorted(trial_dir.glob("rank*.json")) if (r := read_json_object(p))]
         result = read_json_object(trial_dir / RESULT_FILE)
         outcome, error = classify(
             exit_code, timed_out, reports, result, failure_tail(trial_dir), self.node_rank == 0
         )
-        if outcome == CRASH and (first := unreported_first_failure(trial_dir, reports)):
-            error = first
+        unreported = unreported_first_failure(trial_dir, reports) if outcome == CRASH else None
+        if unreported:
+            error = unreported
         if outcome == CRASH and (early := ended_early(trial_dir)) is not None:
             error = f"{error}\n{early}" if error else early
         steps = finished_steps(trial_dir / PROGRESS_FILE)
@@ -384,6 +453,8 @@ class TrialRunner:
             peak_memory_bytes=max(peaks) if peaks else None,
             stopped=stopped,
             steps=steps,
+            failed_at=failed_at(outcome, reports, unreported is not None, trial_dir),
+            diverged=outcome == CRASH and any(r.get("diverged") is True for r in reports),
         )
 
     @property
@@ -416,16 +487,16 @@ class TrialRunner:
             time.sleep(_POLL)
         return False, None
 
-    def _end_left_running(self, trial_dir: Path) -> None:
+    def _end_left_running(self, trial_dir: Path, sessions: frozenset[int]) -> None:
         """Stop what the trial's ranks left running (:func:`left_running`), gently first."""
-        pids = left_running(trial_dir)
+        pids = left_running(trial_dir, sessions)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + _STOP_GRACE
-        while time.monotonic() < deadline and any(_belongs(p, trial_dir) for p in pids):
+        while time.monotonic() < deadline and pids & left_running(trial_dir, sessions):
             time.sleep(_POLL / 4)
-        for pid in left_running(trial_dir):
+        for pid in left_running(trial_dir, sessions):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
 

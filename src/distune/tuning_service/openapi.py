@@ -339,6 +339,17 @@ _TRIAL_SCHEMAS: dict[str, Any] = {
                 "description": "the node's launcher stopped its ranks because a peer failed or "
                 "the trial was closed: the outcome is a symptom",
             },
+            "failed_at": {
+                "type": ["number", "null"],
+                "minimum": 0,
+                "maximum": 1e11,
+                "description": "when the node's first failing rank failed (seconds since the "
+                "epoch): of nodes with one outcome, the first to fail explains it",
+            },
+            "diverged": {
+                "type": "boolean",
+                "description": "the crash is the model's parameters going NaN or inf",
+            },
         },
     },
     "TrialRecord": {
@@ -411,6 +422,7 @@ _TRIAL_SCHEMAS: dict[str, Any] = {
                             "measurements": _NULLABLE_OBJECT,
                             "peak_memory_bytes": {"type": ["integer", "null"]},
                             "duration": {"type": "number"},
+                            "diverged": {"type": "boolean"},
                         },
                     },
                     {"type": "null"},

@@ -18,6 +18,7 @@ States of a trial: ``running`` (some node has not reported), ``reported`` (every
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -105,7 +106,13 @@ class _Trial:
             self.reports.items()
         )
         outcome = min((r.outcome for _, r in causes), key=OUTCOME_PRIORITY.index)
-        node, first = next((n, r) for n, r in causes if r.outcome == outcome)
+        # Of the nodes with that outcome, the one that failed first (its own clock; a report
+        # without a time counts last), else the first to report: a rank that raised on node 1
+        # makes node 0's ranks crash in their collective with it, and node 0 may report first.
+        node, first = min(
+            ((n, r) for n, r in causes if r.outcome == outcome),
+            key=lambda item: math.inf if item[1].failed_at is None else item[1].failed_at,
+        )
         peaks = [r.peak_memory_bytes for r in self.reports.values() if r.peak_memory_bytes]
         measured = next((r.measurements for r in self.reports.values() if r.measurements), None)
         multi_node = self.spec is not None and self.spec.nnodes > 1
@@ -119,6 +126,7 @@ class _Trial:
             "measurements": measured if outcome == OK else None,
             "peak_memory_bytes": max(peaks) if peaks else None,
             "duration": max(r.duration for r in self.reports.values()),
+            "diverged": outcome == CRASH and first.diverged,
         }
 
     def view(self) -> dict[str, Any]:

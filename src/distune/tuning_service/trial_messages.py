@@ -160,6 +160,10 @@ class NodeReport:
     ``peak_memory_bytes`` is the highest of this node's ranks. ``stopped`` says the node's
     launcher stopped its ranks because a peer failed or the trial was closed: its outcome is
     then a symptom, not a cause, and counts only if no node has a better explanation.
+    ``failed_at`` is when the node's first failing rank failed (seconds since the epoch, its
+    own clock): of two nodes that crashed, the one that failed first is the cause, its peer's
+    crash in a collective with it the symptom, whichever report came first. ``diverged``: the
+    node's crash is the model's parameters going NaN or inf (the search prunes its micro-batch).
     """
 
     outcome: str
@@ -168,8 +172,19 @@ class NodeReport:
     measurements: dict[str, Any] | None = None
     peak_memory_bytes: int | None = None
     stopped: bool = False
+    failed_at: float | None = None
+    diverged: bool = False
 
-    FIELDS = ("outcome", "duration", "error", "measurements", "peak_memory_bytes", "stopped")
+    FIELDS = (
+        "outcome",
+        "duration",
+        "error",
+        "measurements",
+        "peak_memory_bytes",
+        "stopped",
+        "failed_at",
+        "diverged",
+    )
 
     @classmethod
     def from_json(cls, data: Any) -> NodeReport:
@@ -186,6 +201,15 @@ class NodeReport:
         stopped = body.get("stopped", False)
         if not isinstance(stopped, bool):
             raise RequestError("stopped", f"must be true or false, got {stopped!r}")
+        diverged = body.get("diverged", False)
+        if not isinstance(diverged, bool):
+            raise RequestError("diverged", f"must be true or false, got {diverged!r}")
+        failed_at = body.get("failed_at")
+        if failed_at is not None:
+            try:
+                failed_at = number_in(failed_at, 0.0, 1e11)
+            except InvalidValue as invalid:
+                raise RequestError("failed_at", str(invalid)) from None
         return cls(
             outcome=_choice("outcome", body["outcome"], OUTCOMES),
             duration=duration,
@@ -195,6 +219,8 @@ class NodeReport:
             if peak is None
             else integer_field("peak_memory_bytes", peak, 0, 2**62),
             stopped=stopped,
+            failed_at=failed_at,
+            diverged=diverged,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -206,6 +232,8 @@ class NodeReport:
             "measurements": self.measurements,
             "peak_memory_bytes": self.peak_memory_bytes,
             "stopped": self.stopped,
+            "failed_at": self.failed_at,
+            "diverged": self.diverged,
         }
 
 

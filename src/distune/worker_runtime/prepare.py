@@ -16,6 +16,7 @@ import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from distune.worker_runtime.trial_measurement import (
     TrialMeasurement,
     TrialStepError,
     WrapperMeasurement,
+    batch_norms,
     install_failure_report,
     measures_trial,
     preparing,
@@ -96,8 +98,15 @@ def _facts(model: nn.Module, blocks: tuple[type[nn.Module], ...]) -> tuple[int, 
     return _bytes(params), _bytes([p for p in params if p.requires_grad]), largest
 
 
-def _optimizer_state_bytes(optimizer: torch.optim.Optimizer, gradient_bytes: int) -> int:
-    """The whole model's optimizer state, from this rank's (possibly sharded) share of it."""
+def optimizer_state_bytes(
+    optimizer: torch.optim.Optimizer, gradient_bytes: int, sharded: bool
+) -> int:
+    """The whole model's optimizer state, from this rank's share of it. Unsharded (ddp, the
+    profile's usual stage) it is the state as it is: a parameter that never gets a gradient
+    (an unused head) gets no state, and scaling the state by every trained parameter's bytes
+    counted it as Adam's 2 x its size (a model with a spare Linear a block: 4.2 MB for 2.1 MB
+    held), which the memory model then halved away under ZeRO. Sharded (a pinned stage), the
+    share's state per byte of its parameters, over every trained parameter's bytes."""
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its own
     state_bytes = param_bytes = 0
     for param, state in inner.state.items():
@@ -105,6 +114,8 @@ def _optimizer_state_bytes(optimizer: torch.optim.Optimizer, gradient_bytes: int
         state_bytes += sum(
             v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor)
         )
+    if not sharded:
+        return state_bytes
     return round(gradient_bytes * state_bytes / param_bytes) if param_bytes else 0
 
 
@@ -144,6 +155,24 @@ def _block_classes(blocks: Any, model: nn.Module) -> tuple[type[nn.Module], ...]
             f"blocks=(MyBlock,), got {blocks!r}"
         )
     return tuple(blocks)
+
+
+def _join_the_trial(trial_dir: Path, rank: int, collective_timeout: int | None) -> None:
+    """A rank's part of a trial: its failure report, and a collective time-out of the trial's."""
+    install_failure_report(trial_dir, rank)
+    if collective_timeout is not None:
+        # A peer rank that died (on another node, say) must not hold this one in a
+        # collective for torch's default 30 minutes, even if its launcher is gone.
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=collective_timeout))
+
+
+def _trial_checkpoint_timeout(settings: TrialSettings, checkpoint_timeout: float) -> float:
+    """In a trial, a rank-0-only checkpoint call must fail naming itself before the trial's
+    watchdog stops it as a `timeout` "hang" (the default 300 s outlasts the trial's 120): the
+    collective time-out is twice the trial time-out, so it waits at most half of that."""
+    if settings.trial_dir is None or settings.collective_timeout is None:
+        return checkpoint_timeout
+    return min(checkpoint_timeout, settings.collective_timeout / 4)
 
 
 def prepare(
@@ -204,17 +233,15 @@ def prepare(
             "wrap the others"
         )
     if settings.trial_dir is not None and earlier is None:
-        install_failure_report(settings.trial_dir, rank)
-        if settings.collective_timeout is not None:
-            # A peer rank that died (on another node, say) must not hold this one in a
-            # collective for torch's default 30 minutes, even if its launcher is gone.
-            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=settings.collective_timeout))
+        _join_the_trial(settings.trial_dir, rank, settings.collective_timeout)
+    checkpoint_timeout = _trial_checkpoint_timeout(settings, checkpoint_timeout)
     micro = settings.micro_batch or micro_batch_size
     accumulation = settings.accumulation or gradient_accumulation_steps
     stage = settings.stage if settings.stage is not None else 0
     checkpointing = bool(settings.checkpointing)
     bf16 = bool(settings.bf16)
     parameter_bytes, gradient_bytes, largest_block = _facts(model, block_classes)
+    norms = batch_norms(model)
 
     with preparing():  # the DDP made here is measured by prepare, not by itself
         applied = apply(
@@ -256,7 +283,10 @@ def prepare(
             "gradient_bytes": gradient_bytes,
             "largest_block_bytes": largest_block,
             "repeated_block_classes": len(block_classes),
-            "optimizer_state_bytes": _optimizer_state_bytes(applied.optimizer, gradient_bytes),
+            "optimizer_state_bytes": optimizer_state_bytes(
+                applied.optimizer, gradient_bytes, sharded=stage > 0
+            ),
+            "batch_norms": norms,
         }
 
     if earlier is not None:

@@ -29,12 +29,14 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
@@ -45,10 +47,12 @@ from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, Sha
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map_only
 
 from distune.errors import DistuneError
 from distune.worker_runtime.distributed import DistributedDataParallel
+from distune.worker_runtime.module_state import broadcast_module_state
 from distune.worker_runtime.sharded_state import (
     DEFAULT_CHECKPOINT_TIMEOUT,
     RankCheck,
@@ -139,6 +143,73 @@ def _refuse_the_replaced_optimizer(
     )
 
 
+class OnlyTheStagesOptimizer:
+    """Refuses the step of an optimizer built over the model's parameters after ``prepare``
+    (``torch.optim.AdamW(run.model.parameters())``, an FSDP habit) where a stage rebuilt the
+    optimizer (ZeRO-1 to 3). It would train, but not as the configuration says: under ZeRO-1
+    with the whole optimizer state on every rank (a trial of zero1 measuring ddp's memory and
+    time), and under ZeRO-2 and 3 with ``run.optimizer`` left unstepped, so the checkpoint the
+    script takes of ``run.optimizer.state_dict()`` holds no state. A global step pre-hook of
+    torch's: only weak references to the optimizers and parameters, removed with the stage's
+    optimizer; the stage's own inner steps (ZeRO's local optimizer) run inside its step."""
+
+    def __init__(
+        self, stage_optimizer: torch.optim.Optimizer, handed: torch.optim.Optimizer, stage: int
+    ) -> None:
+        self._stage_optimizer = weakref.ref(stage_optimizer)
+        self._handed = weakref.ref(handed)  # refused by its own hook, with its own message
+        self._parameters = {
+            id(p): weakref.ref(p) for g in stage_optimizer.param_groups for p in g["params"]
+        }
+        self._stage = stage
+        self._inside = False
+
+    @classmethod
+    def install(
+        cls, stage_optimizer: torch.optim.Optimizer, handed: torch.optim.Optimizer, stage: int
+    ) -> None:
+        """Watch every optimizer step of the process while ``stage_optimizer`` lives."""
+        guard = cls(stage_optimizer, handed, stage)
+        stage_optimizer.register_step_pre_hook(guard._enter)
+        stage_optimizer.register_step_post_hook(guard._leave)
+        handle = register_optimizer_step_pre_hook(guard._check)
+        weakref.finalize(stage_optimizer, handle.remove)
+
+    def _enter(self, *_: Any) -> None:
+        self._inside = True
+
+    def _leave(self, *_: Any) -> None:
+        self._inside = False
+
+    def _holds_the_models(self, optimizer: torch.optim.Optimizer) -> bool:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                held = self._parameters.get(id(p))
+                if held is not None and held() is p:
+                    return True
+        return False
+
+    def _check(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        if (
+            self._inside
+            or optimizer is self._stage_optimizer()
+            or optimizer is self._handed()
+            or not self._holds_the_models(optimizer)
+        ):
+            return
+        without = (
+            "every rank keeping the whole optimizer state"
+            if self._stage == 1
+            else "run.optimizer.state_dict() would hold no state for a checkpoint"
+        )
+        raise StrategyError(
+            f"distune.prepare: call run.optimizer.step(), not the step of another optimizer over "
+            f"run.model's parameters: under ZeRO stage {self._stage} run.optimizer is the "
+            f"optimizer the stage built, and one built after prepare would train without it "
+            f"({without}); build the optimizer before distune.prepare and hand it in"
+        )
+
+
 def _constructor_options(optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer's defaults that its constructor takes (some, like AdamW's
     ``decoupled_weight_decay``, are set by the class itself)."""
@@ -155,6 +226,37 @@ def _rebuild(
         for g in groups
     ]
     return type(optimizer)(param_groups, **_constructor_options(optimizer))
+
+
+@contextmanager
+def _running_statistics_kept(norms: Sequence[nn.Module]) -> Iterator[None]:
+    """Leave the batch norms' running statistics as they were before this block (the
+    recomputation in backward): the forward already updated them once."""
+    kept = [[buffer.clone() for buffer in norm.buffers()] for norm in norms]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for norm, buffers in zip(norms, kept, strict=True):
+                for buffer, before in zip(norm.buffers(), buffers, strict=True):
+                    buffer.copy_(before)
+
+
+def _checkpointed(block: nn.Module) -> nn.Module:
+    """``block`` under non-reentrant activation checkpointing. Its recomputation in backward
+    runs its forward again, which would update each batch norm's running statistics (and
+    ``num_batches_tracked``) a second time, training other statistics than without
+    checkpointing; they are kept as the forward left them (a copy of the norms' buffers a
+    block a backward; a block without norms is wrapped as it was)."""
+    # Batch and instance norms (torch's _NormBase) keep running statistics.
+    norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._NormBase)]
+    if not norms:
+        return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    return checkpoint_wrapper(
+        block,
+        checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+        context_fn=lambda: (nullcontext(), _running_statistics_kept(norms)),
+    )
 
 
 def _fp32_outputs(model: nn.Module, device: torch.device, autocast: bool) -> None:
@@ -206,9 +308,7 @@ def apply(
     if checkpointing:
         apply_activation_checkpointing(
             model,
-            checkpoint_wrapper_fn=functools.partial(
-                checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
-            ),
+            checkpoint_wrapper_fn=_checkpointed,
             check_fn=lambda module: isinstance(module, block_classes),
         )
     device_ids = [device.index] if device.type == "cuda" else None
@@ -228,7 +328,15 @@ def apply(
             **_constructor_options(optimizer),
         )
         whole_zero_optimizer(zero, RankCheck.create(stage, checkpoint_timeout), device)
+        OnlyTheStagesOptimizer.install(zero, optimizer, stage)
         return Applied(wrapped, zero)
+    # Rank 0's parameters and buffers everywhere, as distune's DDP (and torch's) copies them at
+    # construction: a script that seeds each rank differently before building its model (timm's
+    # random_seed(seed, rank)) would otherwise shard a mix of every rank's initialisation.
+    # FSDP's own sync_module_states refuses a model on CPU.
+    world = dist.group.WORLD
+    assert world is not None  # prepare checked that torch.distributed is initialised
+    broadcast_module_state([*model.parameters(), *model.buffers()], world)
     policy = ModuleWrapPolicy(set(block_classes)) if block_classes else None
     wrapped = FullyShardedDataParallel(
         model,
@@ -252,6 +360,7 @@ def apply(
     names = [n for g in groups for n in g["names"]]
     whole_fsdp_optimizer(wrapped, rebuilt, check, names, device)
     rebuilt.register_step_pre_hook(functools.partial(_refuse_a_local_grad_scaler, stage=stage))
+    OnlyTheStagesOptimizer.install(rebuilt, optimizer, stage)
     return Applied(wrapped, rebuilt)
 
 

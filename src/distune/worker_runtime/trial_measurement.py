@@ -51,7 +51,7 @@ _PREPARING: ContextVar[bool] = ContextVar("distune_preparing", default=False)
 #: A model's sizes a trial reports; a process's models add up, but for the facts picked
 #: (``largest_block_bytes``: the largest; ``repeated_block_classes``: the fewest, since ZeRO-3
 #: and checkpointing need blocks in every model).
-_SUMMED_FACTS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes")
+_SUMMED_FACTS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "batch_norms")
 _PICKED_FACTS: dict[str, Callable[[int, int], int]] = {
     "largest_block_bytes": max,
     "repeated_block_classes": min,
@@ -60,6 +60,11 @@ _PICKED_FACTS: dict[str, Callable[[int, int], int]] = {
 
 class TrialStepError(DistuneError, RuntimeError):
     """A trial's steps do not match its configuration; the message says what differed."""
+
+
+class DivergedError(TrialStepError):
+    """The model's trained parameters went NaN or inf in the trial's steps: the configuration
+    does not train (its loss diverged at this micro-batch or precision)."""
 
 
 @dataclass
@@ -160,7 +165,10 @@ def install_failure_report(trial_dir: Path, rank: int) -> None:
         lines = "".join(traceback.format_exception(kind, error, tb)).splitlines()
         outcome = "oom" if is_out_of_memory(error) else "crash"
         tail = "\n".join(lines[-_TRACEBACK_TAIL_LINES:])
-        write_rank_outcome(trial_dir, rank, outcome, error=tail)
+        # A diverged configuration is a crash the search treats by its micro-batch (as an
+        # out of memory), not by its strategy: it says so in a field, not only in words.
+        diverged = {"diverged": True} if isinstance(error, DivergedError) else {}
+        write_rank_outcome(trial_dir, rank, outcome, error=tail, **diverged)
         previous(kind, error, tb)
 
     sys.excepthook = report
@@ -213,6 +221,8 @@ class TrialMeasurement:
         self._micro_steps: list[int] = []
         #: The sizes of the process's later models, read when the trial reports.
         self._more_models: list[Callable[[], dict[str, int]]] = []
+        #: The model whose steps are measured (its parameters are checked at the end).
+        self._model: nn.Module | None = None
 
     def add_model(self, facts: Callable[[], dict[str, int]]) -> None:
         """Count a later model of the process in the sizes the trial reports (``facts()``,
@@ -243,6 +253,7 @@ class TrialMeasurement:
         self._watch(model, blocks)
 
     def _watch(self, model: nn.Module, blocks: tuple[type[nn.Module], ...]) -> None:
+        self._model = model
         model.register_forward_pre_hook(self._before_forward)
         model.register_forward_hook(self._after_forward)
         for module in model.modules():
@@ -376,12 +387,35 @@ class TrialMeasurement:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return tensor.tolist()
 
+    def _not_finite(self) -> float:
+        """1.0 where a trained parameter of this rank's part of the model holds NaN or inf,
+        else 0.0 (a frozen one may hold an infinity on purpose, a mask's)."""
+        if self._model is None:
+            return 0.0
+        with torch.no_grad():
+            trained = (p for p in self._model.parameters() if p.requires_grad)
+            return float(any(not p.isfinite().all() for p in trained))
+
     def _finish(self) -> None:
         local_peak = self.meter.peak_bytes()
         durations = self._max_over_ranks(self._durations)
-        peak, activation, checkpointed = self._max_over_ranks(
-            [float(local_peak), float(self._activation_bytes), float(self._checkpointed_bytes)]
+        peak, activation, checkpointed, not_finite = self._max_over_ranks(
+            [
+                float(local_peak),
+                float(self._activation_bytes),
+                float(self._checkpointed_bytes),
+                self._not_finite(),
+            ]
         )
+        if not_finite:
+            # Measured, but not training: a configuration whose loss diverged (a larger batch
+            # at the script's learning rate, bf16's precision) is no candidate, however fast.
+            raise DivergedError(
+                "distune trial: the model's parameters hold NaN or inf after the trial's "
+                f"{self.warmup + self.measured} steps (checked on every rank): this "
+                "configuration does not train, so it is not measured as one that does; check "
+                "the script's loss at this micro-batch, accumulation and precision"
+            )
         step = statistics.median(durations)
         rates = sorted(self.samples_per_step / d for d in durations)
         quartiles = statistics.quantiles(rates, n=4) if len(rates) >= 2 else [rates[0]] * 3
@@ -409,6 +443,12 @@ class TrialMeasurement:
         os._exit(0)
 
 
+def batch_norms(module: nn.Module) -> int:
+    """How many batch norms ``module`` holds: their statistics are over each micro-batch, so a
+    trial at another micro-batch trains with other statistics (level 2 says so)."""
+    return sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+
 def wrapped_model_facts(module: nn.Module) -> dict[str, int]:
     """The sizes a trial reports of a model wrapped in distune's DDP without ``prepare``."""
     params = list(module.parameters())
@@ -419,6 +459,7 @@ def wrapped_model_facts(module: nn.Module) -> dict[str, int]:
         # and the optimizer (which the wrapper never sees) is in the profile's residual.
         "largest_block_bytes": 0,
         "optimizer_state_bytes": 0,
+        "batch_norms": batch_norms(module),
     }
 
 

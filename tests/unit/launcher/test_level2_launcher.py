@@ -20,7 +20,7 @@ from distune.launcher.level2 import (
 from distune.launcher.main import main
 from distune.launcher.options import parse, trial_pins
 from distune.launcher.trial_args import rewrite_script_args, script_batch
-from distune.launcher.trial_runner import classify, finished_steps, stalled
+from distune.launcher.trial_runner import classify, failed_at, finished_steps, stalled
 from distune.tuning_service.trials.trial_config import TrialConfig, TrialPins
 from distune.tuning_service.trials.trial_result import TrialResult
 
@@ -69,6 +69,10 @@ def test_of_several_crashed_ranks_the_first_to_fail_is_the_cause() -> None:
     assert classify(1, False, [{**peer, "time": 100.8}, cause], None, "")[1] == "KeyError: 'foo'"
     # A report without a time (an older rank's) never hides one with it.
     assert classify(1, False, [peer, cause], None, "")[1] == "KeyError: 'foo'"
+    # The node's report says when its first failure was: the cause's time, not its peer's.
+    reports = [{**peer, "time": 100.8}, cause, {"rank": 2, "outcome": "ok", "time": 99.0}]
+    assert failed_at("crash", reports, False, Path("/nonexistent")) == 100.0
+    assert failed_at("ok", reports, False, Path("/nonexistent")) is None
 
 
 def test_a_timed_out_trial_says_how_far_it_got_and_names_the_flag() -> None:
@@ -111,6 +115,14 @@ def test_the_profile_tells_how_to_take_part_only_where_the_script_did_not() -> N
     )
     assert profile_failed(profile("timeout", "no step finished", 3)).endswith("see its log")
     assert profile_failed(profile("crash", "ValueError", None)).endswith("see its log")
+    # Out of memory in the script's own configuration: the ways to a start that fits.
+    assert profile_failed(profile("oom", "torch.OutOfMemoryError", 0)).endswith(
+        "see its log. Level 2 measures the model in the script's own configuration first, so "
+        "that one must fit: give the script a smaller micro-batch with more accumulation steps "
+        "(the same global batch), or pin a configuration that saves memory in --autotune_config "
+        "(zero_optimization: {stage: 3}, activation_checkpointing: true; the search then keeps "
+        "what is pinned), or, with --autotune_device_memory, a larger cap"
+    )
 
 
 def test_mapped_flags_are_rewritten_in_both_spellings() -> None:
@@ -693,3 +705,26 @@ def test_a_prepare_trial_holding_its_micro_batch_elsewhere_than_the_profile_is_r
     assert moved.endswith("build each micro-batch with run.micro_batch_size samples")
     assert batch_moved(ran(0, 4, [0]), ran(1, 32, [0, 1]), None) is None  # (32, 32): built so
     assert batch_moved(ran(0, 4, [1]), ran(1, 8, [1]), None) is None  # sequence-first, (35, 8)
+
+
+def test_a_model_with_batch_norms_is_told_that_the_micro_batch_changes_their_statistics() -> None:
+    from torch import nn
+
+    from distune.launcher.level2 import batch_norm_notice
+    from distune.tuning_service.trials.trial_space import TrialSpace
+    from distune.worker_runtime.trial_measurement import batch_norms
+
+    resnet_ish = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.BatchNorm2d(8))
+    assert batch_norms(resnet_ish) == 2  # what the profile trial reports as `batch_norms`
+    own = TrialConfig(16, 1, 0, False)
+    space = TrialSpace(TrialPins(), 2, own)
+    assert batch_norm_notice({"batch_norms": 2}, space, own) == (
+        "the model has 2 batch norms: their statistics are over each micro-batch, so a trial at "
+        "another micro-batch than the script's own (16) trains with other statistics (the same "
+        "global batch, not the same math); pin train_micro_batch_size_per_gpu: 16 in "
+        "--autotune_config to keep it"
+    )
+    pinned = TrialSpace(TrialPins(micro_batch=16), 2, own)
+    assert batch_norm_notice({"batch_norms": 2}, pinned, own) is None  # nothing to change
+    assert batch_norm_notice({"batch_norms": 0}, space, own) is None
+    assert batch_norm_notice({}, space, own) is None  # a profile of an earlier version

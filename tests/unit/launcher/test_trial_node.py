@@ -3,8 +3,10 @@ node 0 (which has no rank 0 result) tells that its ranks ended well."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from waitress.server import create_server
@@ -14,11 +16,15 @@ from distune.launcher.options import OptionError, parse
 from distune.launcher.trial_client import TrialClient
 from distune.launcher.trial_follower import TrialFollower
 from distune.launcher.trial_node import settings_from_knobs, stop_reason
-from distune.launcher.trial_runner import classify
+from distune.launcher.trial_runner import TrialRun, classify
 from distune.tuning_service.app import create_app
 from distune.tuning_service.service import TuningService
 from distune.tuning_service.trial_messages import TrialKnobs
-from distune.tuning_service.trials.trial_config import TrialPins
+from distune.tuning_service.trials.memory_model import MemoryModel, ModelFacts
+from distune.tuning_service.trials.trial_config import TrialConfig, TrialPins
+from distune.tuning_service.trials.trial_result import TrialResult
+from distune.tuning_service.trials.trial_search import Proposal, TrialSearch
+from distune.tuning_service.trials.trial_space import TrialSpace
 
 TOKEN = "node-token"
 
@@ -180,3 +186,48 @@ def test_a_node_started_with_the_same_job_from_another_directory_takes_part(tmp_
     follower = TrialFollower(args1, options1, TrialPins(), TrialClient("http://x:9", TOKEN))
     follower._check_job(level2.node_job)  # no refusal (the script is compared as given)
     follower._check_job(None)  # a node 0 of an earlier version publishes no job
+
+
+class MeasuredRunner:
+    """Stands in for the TrialRunner of node 0: each trial ends ok with made-up measurements
+    (what level 2 records of it is under test, not the trial)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def run(self, index, settings, script_args, master_port, abort=None) -> TrialRun:
+        measurements = {"throughput": 100.0, "throughput_spread": 0.1, "step_seconds": 0.2,
+                        "peak_memory_bytes": 2**20}  # fmt: skip
+        return TrialRun("ok", 0, measurements, None, 1.0, self.root / "log.txt", 2**20, steps=7)
+
+
+def test_a_trial_that_changed_the_global_batch_says_so_in_its_record_and_the_summary(
+    service_url, tmp_path
+):
+    client = TrialClient(service_url, TOKEN)
+    results = tmp_path / "r"
+    argv = ["--nproc_per_node", "2", "--autotune_level", "2", "--autotune_results_dir",
+            str(results), "--autotune_allow_batch_change", "t.py"]  # fmt: skip
+    args, options = parse(argv)
+    level2 = Level2(args, options, TrialPins(), argv, client)
+    level2.node.runner = MeasuredRunner(tmp_path)  # type: ignore[assignment]
+    own = TrialConfig(2, 4, 0, False)
+    profile = TrialResult(0, own, 2, "ok", "profile", 50.0, 0.1, 0.32, 2**20)
+    level2.report.add(profile)
+    client.record(0, profile.to_json())
+    space = TrialSpace(TrialPins(), 2, own, allow_batch_change=True)
+    facts = ModelFacts(2**16, 2**16, 2**17, 2**14, 2**10, own, 2**20, 2)
+    search = TrialSearch(space, MemoryModel(facts), None, 4, "throughput")
+    search.record(profile)
+    larger = TrialConfig(8, 4, 0, False)
+    level2._run_proposal(search, Proposal(larger, "search", None))
+    record = json.loads((results / "trials.jsonl").read_text().splitlines()[1])
+    # The record of a trial of another global batch says so (it was always null before).
+    assert record["batch_change"] == "global batch 16 -> 64 (--autotune_allow_batch_change)"
+    assert search.results[1].batch_change == record["batch_change"]
+    level2.report.finish(search, search.decisions, 2.0)
+    summary = (results / "summary.md").read_text()
+    assert "| 1 | search | ddp, micro-batch 8 x 4, global batch 64 | ok |" in summary
+    assert "| 0 | profile | ddp, micro-batch 2 x 4 | ok |" in summary
+    assert "**Best:** ddp, micro-batch 8 x 4, global batch 64: 100.000 samples/s" in summary
+    assert "gain 2.00x (the winner trains global batch 64 against the script's 16" in summary

@@ -93,6 +93,13 @@ def test_a_two_node_tuning_from_first_trial_to_the_choice(client):
         ([(1, node("crash", error="gloo: peer closed")), (0, node("oom", error="OOM"))], "oom", "node 0: OOM"),
         ([(0, node("ok")), (1, node("timeout", error="hung"))], "timeout", "node 1: hung"),
         ([(0, node("crash", error="first")), (1, node("crash", error="second"))], "crash", "node 0: first"),
+        # Node 1's rank raised; node 0's then failed in its collective with it, and reported
+        # first: the node that failed first is the cause (each report says when, by its clock).
+        ([(0, node("crash", error="gloo: Connection closed by peer", failed_at=1000.9)),
+          (1, node("crash", error="ValueError: corrupt shard", failed_at=1000.2))],
+         "crash", "node 1: ValueError: corrupt shard"),
+        ([(0, node("crash", error="no time")), (1, node("crash", error="timed", failed_at=5.0))], "crash", "node 1: timed"),
+        ([(0, node("crash", error="NaN", diverged=True)), (1, node("crash", error="peer", failed_at=9.0))], "crash", "node 1: peer"),
         ([(0, node("ok")), (1, node("invalid", error="no steps"))], "invalid", "node 1: no steps"),
         # A node stopped because of its peer is a symptom: the peer's outcome counts.
         ([(0, node("oom", stopped=True)), (1, node("crash", error="bug"))], "crash", "node 1: bug"),
@@ -105,6 +112,11 @@ def test_the_trials_outcome_is_the_most_telling_of_its_nodes(client, reports, ou
         view = call(client, "POST", f"/0/nodes/{node_rank}", report)
     assert view["combined"]["outcome"] == outcome
     assert view["combined"]["error"] == error
+    # Whether the trial diverged is the explaining node's say (its ranks' NaN check).
+    explaining = dict(reports)[view["combined"]["node"]]
+    assert view["combined"]["diverged"] is (
+        outcome == "crash" and explaining.get("diverged", False)
+    )
     assert OUTCOME_PRIORITY[0] == "oom" and OUTCOME_PRIORITY[-1] == "ok"
 
 
@@ -167,6 +179,8 @@ def test_a_resumed_trial_is_recorded_without_any_node_running_it(client):
         ("POST", "/0/nodes/0", node("fine"), 400, "outcome: must be one of ok, oom, timeout, crash, invalid"),
         ("POST", "/0/nodes/0", {"outcome": "ok"}, 400, "duration: missing"),
         ("POST", "/0/nodes/0", node(stopped="yes"), 400, "stopped: must be true or false"),
+        ("POST", "/0/nodes/0", node(failed_at="now"), 400, "failed_at: must be a number"),
+        ("POST", "/0/nodes/0", node(diverged=1), 400, "diverged: must be true or false"),
         ("POST", "/0/record", record(3), 400, "trial: the record is of trial 3, posted to 0"),
         ("POST", "/0/record", {"trial": 0}, 400, "outcome: missing"),
         ("POST", "/0/record", {**record(0), "step_seconds": "fast"}, 400, "step_seconds: must be a number"),

@@ -322,6 +322,21 @@ def test_a_crashed_family_is_given_up_and_the_search_goes_on() -> None:
     assert proposal is not None and proposal.config.stage == 1
 
 
+def test_a_diverged_trial_prunes_its_micro_batch_in_every_family_and_steps_down() -> None:
+    search = new_search(None, max_trials=10)
+    diverged = TrialResult(0, TrialConfig(16, 1, 0, False), WORLD, CRASH, diverged=True)
+    search.record(diverged)
+    # Not given up as a crash is: the loss diverged at micro-batch 16, so ddp goes on at 8.
+    proposal = search.next_trial()
+    assert proposal is not None and proposal.config == TrialConfig(8, 2, 0, False)
+    assert search.decisions[-1] == (
+        "ddp, micro-batch 16 x 1: its parameters went NaN or inf; micro-batches >= 16 pruned "
+        "in every strategy of its precision"
+    )
+    ran = run_search(search, None)
+    assert all(r.config.micro_batch < 16 for r in ran)  # no strategy tries 16 again
+
+
 def test_near_full_steps_down_while_smaller_is_faster() -> None:
     cap = 600 * MiB  # DDP fits 16 at 565 MiB: near full
 
@@ -786,6 +801,8 @@ def test_a_trial_record_round_trips_through_trials_jsonl() -> None:
         steps=7,
     )
     assert TrialResult.from_json(json.loads(json.dumps(result.to_json()))) == result
+    crashed = TrialResult(4, TrialConfig(8, 2, 0, False), WORLD, CRASH, diverged=True)
+    assert TrialResult.from_json(json.loads(json.dumps(crashed.to_json()))) == crashed
 
 
 def test_a_record_written_before_steps_were_recorded_reads_as_steps_unknown() -> None:

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 
 import distune
 from distune.trial_settings import ACCUMULATION, MICRO_BATCH, TRIAL_DIR
-from distune.worker_runtime.prepare import Prepared
+from distune.worker_runtime.prepare import Prepared, optimizer_state_bytes
 from distune.worker_runtime.strategy import StrategyError
 from distune.worker_runtime.trial_measurement import TrialStepError
 
@@ -246,3 +246,69 @@ def test_under_fsdp_the_ddp_idioms_through_model_module_raise_naming_run_model(m
             assert run.model.module.state_dict()["0.weight"].shape == (4, 4)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_trial_whose_loss_diverged_crashes_rather_than_be_measured(tmp_path, monkeypatch):
+    # Two measured steps, no warm-up: the trial reports after the second (a finite model's
+    # rank would end there, so only the diverged one runs in this process).
+    for name, value in {
+        TRIAL_DIR: str(tmp_path),
+        MICRO_BATCH: "4",
+        ACCUMULATION: "1",
+        "DISTUNE_TRIAL_WARMUP_STEPS": "0",
+        "DISTUNE_TRIAL_STEPS": "2",
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+
+    def measured_as_ok(code: int) -> None:  # a rank ends here once its trial reported ok
+        raise AssertionError(f"the trial ended (os._exit({code})) as measured")
+
+    monkeypatch.setattr(os, "_exit", measured_as_ok)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    run = None
+    try:
+        model = nn.Linear(16, 1)
+        run = distune.prepare(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=2
+        )
+        run.model(torch.randn(4, 16)).sum().backward()
+        run.optimizer.step()  # step 1, finite
+        run.optimizer.zero_grad()
+        # The loss of this configuration diverges (a sum that overflows at a large micro-batch).
+        (run.model(torch.randn(4, 16)).sum() * float("inf")).backward()
+        with pytest.raises(TrialStepError, match="the model's parameters hold NaN or inf after "
+                           "the trial's 2 steps") as raised:  # fmt: skip
+            run.optimizer.step()
+        assert not (tmp_path / "result.json").exists()  # nothing measured was reported
+        # The rank's report says it diverged, in a field: the search prunes the micro-batch.
+        sys.excepthook(raised.type, raised.value, raised.tb)
+        report = json.loads((tmp_path / "rank0.json").read_text())
+        assert (report["outcome"], report["diverged"]) == ("crash", True)
+    finally:
+        if run is not None and run.memory is not None:
+            run.memory.__exit__(None, None, None)  # type: ignore[attr-defined]
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_an_unused_parameters_missing_optimizer_state_is_not_counted_unsharded():
+    used, spare = nn.Linear(64, 64), nn.Linear(64, 16)  # the spare never gets a gradient
+    optimizer = torch.optim.AdamW([*used.parameters(), *spare.parameters()], lr=0.1)
+    used(torch.randn(2, 64)).sum().backward()
+    optimizer.step()
+    used_bytes = 4 * (64 * 64 + 64)
+    trained = used_bytes + 4 * (64 * 16 + 16)  # every trained parameter's bytes
+    held = sum(
+        v.numel() * v.element_size()
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    )
+    assert held == 2 * used_bytes + 8  # Adam's two moments of the used Linear, two step counts
+    # It used to be scaled to every trained parameter, the spare's missing state included.
+    assert optimizer_state_bytes(optimizer, trained, sharded=False) == held
+    # A shard's state is scaled to the whole model: the same per byte, over every parameter.
+    assert optimizer_state_bytes(optimizer, trained, sharded=True) == round(
+        trained * held / used_bytes
+    )

@@ -27,7 +27,9 @@ METRICS = (THROUGHPUT, LATENCY)
 class TrialResult:
     """One finished trial; measurements are None unless the trial got that far. ``steps``:
     the optimizer steps the script finished under distune (node 0's first rank), None where
-    none did (it never reached distune, or failed first) or a record older than the field."""
+    none did (it never reached distune, or failed first) or a record older than the field.
+    ``diverged``: a crash because the model's parameters went NaN or inf (the search prunes the
+    micro-batch, as for an out of memory, rather than give up the strategy)."""
 
     trial: int
     config: TrialConfig
@@ -45,6 +47,7 @@ class TrialResult:
     batch_change: str | None = None
     facts: dict[str, Any] | None = None
     steps: int | None = None
+    diverged: bool = False
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:
@@ -85,6 +88,7 @@ class TrialResult:
             "batch_change": self.batch_change,
             "facts": self.facts,
             "steps": self.steps,
+            "diverged": self.diverged,
         }
 
     @classmethod
@@ -110,6 +114,7 @@ class TrialResult:
             batch_change=data.get("batch_change"),
             facts=data.get("facts"),
             steps=data.get("steps"),
+            diverged=data.get("diverged") is True,
         )
 
 

@@ -35,7 +35,9 @@ full-precision twin until a trial of its own has measured it. The rules:
   per micro-batch and precision), and goes on only if it was faster; unless the near-full
   trial's own step down ran with room and was not clearly faster, which shows the cap did not
   slow it (a step down near the cap too shows nothing: the cap may have slowed both).
-* A family whose trial crashed, hung or was invalid is given up.
+* A family whose trial crashed, hung or was invalid is given up; a crash because the model's
+  parameters went NaN or inf (``diverged``) prunes its micro-batch and larger ones in every
+  family of its precision instead, as an out of memory prunes its own family's.
 * **Nothing is run that cannot beat the best measured.** Before a search trial runs, its
   throughput is bounded from above by what was measured, on two premises the rules above
   already use: at one micro-batch sharding or recomputation only adds work, and a larger
@@ -75,7 +77,14 @@ from dataclasses import dataclass, field, replace
 
 from distune.tuning_service.trials.memory_model import MemoryModel
 from distune.tuning_service.trials.trial_config import STRATEGY_NAMES, TrialConfig
-from distune.tuning_service.trials.trial_result import LATENCY, OK, OOM, THROUGHPUT, TrialResult
+from distune.tuning_service.trials.trial_result import (
+    CRASH,
+    LATENCY,
+    OK,
+    OOM,
+    THROUGHPUT,
+    TrialResult,
+)
 from distune.tuning_service.trials.trial_space import TrialSpace
 
 #: A trial whose measured peak is at least this share of the cap ran "near full".
@@ -241,6 +250,19 @@ class TrialSearch:
         family = (config.stage, config.checkpointing, config.bf16)
         if result.outcome == OK:
             self._observe(config, result.peak_memory_bytes)
+        elif result.outcome == CRASH and result.diverged:
+            # Its loss diverged at this micro-batch (or precision), whatever the strategy: the
+            # same micro-batch and larger would in every family of its precision, and smaller
+            # ones may train; so they are pruned as an out of memory prunes its family's.
+            for key in self.families():
+                if key[2] == config.bf16:
+                    self._oom_at[key] = min(
+                        self._oom_at.get(key, config.micro_batch), config.micro_batch
+                    )
+            self.decisions.append(
+                f"{config.describe()}: its parameters went NaN or inf; micro-batches >= "
+                f"{config.micro_batch} pruned in every strategy of its precision"
+            )
         elif result.outcome == OOM:
             pruned = [family] + (
                 [(config.stage, False, config.bf16)] if config.checkpointing else []
