@@ -206,7 +206,12 @@ def _stop_service(
         return
     best_file = str(options.autotune_best_file) if options.autotune_best_file else None
     lines = format_summary(
-        status, service.log_file, best_file, service_gone=gone, exit_code=exit_code
+        status,
+        service.log_file,
+        best_file,
+        service_gone=gone,
+        exit_code=exit_code,
+        launcher_failed=exit_code is None,
     )
     for line in lines:
         print(line, flush=True)
