@@ -47,7 +47,7 @@ from distune.launcher.options import (
     trial_pins,
     unused_tuning_flags,
 )
-from distune.launcher.placement import port_taken
+from distune.launcher.placement import port_taken, rendezvous_wait
 from distune.launcher.plan import (
     LaunchPlan,
     drop_trial_variables,
@@ -68,8 +68,11 @@ from distune.launcher.tuned_job import JOB_FILE, OtherJobError, TunedJob
 from distune.tuning_service.trials.trial_config import TrialPins
 
 
-def _run_workers(args: object, plan: LaunchPlan) -> int:
+def _run_workers(args: Any, plan: LaunchPlan) -> int:
     os.environ.update(plan.settings.to_env())
+    waits = rendezvous_wait(args)
+    if waits is not None:
+        print(f"distune: {waits}", flush=True)
     try:
         torchrun.run(args)
     except ChildFailedError as error:

@@ -189,6 +189,32 @@ def _store_endpoint(args: argparse.Namespace, multi_node: bool) -> tuple[str, in
     return _split_endpoint(args.rdzv_endpoint, default)
 
 
+#: torch's static rendezvous time-out when ``--rdzv_conf timeout=`` leaves it unsaid.
+STATIC_RENDEZVOUS_TIMEOUT = 600
+
+
+def rendezvous_wait(args: argparse.Namespace) -> str | None:
+    """What a node of a multi-node job with static rendezvous waits for, said before it joins:
+    torch waits for the other nodes silently, up to its time-out (node 0 with its store up, the
+    others until it answers). None for any other job (one node, another backend)."""
+    _, max_nodes = parse_min_max_nnodes(args.nnodes)
+    store = _store_endpoint(args, multi_node=True)
+    if max_nodes < 2 or args.rdzv_backend != "static" or store is None:
+        return None
+    try:
+        config = _parse_rendezvous_config(args.rdzv_conf)
+        timeout = RendezvousParameters(
+            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id, 1, 1, **config
+        ).get_as_int("timeout", STATIC_RENDEZVOUS_TIMEOUT)
+    except ValueError:
+        return None  # torch refuses it itself, saying why
+    host, port = store
+    return (
+        f"node {args.node_rank} of {max_nodes}: waiting for the other nodes in torch's static "
+        f"rendezvous at {host}:{port} (up to {timeout} s; --rdzv_conf timeout=S changes it)"
+    )
+
+
 def _check_store_port(
     args: argparse.Namespace, placement: ServicePlacement, options: AutotuneOptions
 ) -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from distune.launcher.main import main
 from distune.launcher.options import OptionError, parse
-from distune.launcher.placement import is_local_address, is_wildcard_address
+from distune.launcher.placement import is_local_address, is_wildcard_address, rendezvous_wait
 from distune.launcher.plan import (
     UNSHARED_STORE,
     drop_trial_variables,
@@ -367,6 +367,20 @@ def test_a_service_host_that_cannot_listen_at_its_address_is_refused_before_it_s
     assert plan(*MULTI, *flags, "--autotune_service_bind", "0.0.0.0").starts_service
     # A host name of this machine is one of its addresses.
     assert plan(*MULTI, "--node_rank", "0", "--master_addr", "localhost").starts_service
+
+
+def test_a_node_says_what_it_waits_for_in_torchs_static_rendezvous():
+    def wait(*argv):
+        return rendezvous_wait(parse([*argv, "train.py"])[0])
+
+    assert wait("--nnodes", "2", "--node_rank", "1", "--master_addr", "10.9.0.1") == (
+        "node 1 of 2: waiting for the other nodes in torch's static rendezvous at "
+        "10.9.0.1:29500 (up to 600 s; --rdzv_conf timeout=S changes it)"
+    )
+    timed = wait("--nnodes", "3", "--rdzv_endpoint", "h:7000", "--rdzv_conf", "timeout=30")
+    assert timed is not None and "node 0 of 3" in timed and "at h:7000 (up to 30 s;" in timed
+    assert wait("--nproc_per_node", "2") is None  # one node: nobody to wait for
+    assert wait("--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "h:1") is None
 
 
 def token_file(tmp_path, text="  file-token-123\n", mode=0o600):

@@ -178,14 +178,20 @@ def test_a_rendezvous_that_times_out_is_summed_up_as_the_launchers_error(
     monkeypatch.setenv("DISTUNE_SERVICE_TOKEN", "a-token-of-this-job")
     script = tmp_path / "t.py"
     script.write_text("pass\n")
+    port = free_port_pair()
     argv = ["--nnodes", "2", "--node_rank", "0", "--master_addr", "127.0.0.1",
-            "--master_port", str(free_port_pair()), "--rdzv_conf", "timeout=1",
+            "--master_port", str(port), "--rdzv_conf", "timeout=1",
             "--nproc_per_node", "1", "--autotune_level", "1", str(script)]  # fmt: skip
     with pytest.raises(DistError):
         main(argv)
     out = capsys.readouterr().out
     assert "the launcher stopped on an error before any model registered" in out
     assert "wrapped no model" not in out
+    # What it waited for was said as it began (torch's rendezvous itself is silent).
+    assert (
+        f"distune: node 0 of 2: waiting for the other nodes in torch's static rendezvous at "
+        f"127.0.0.1:{port} (up to 1 s; --rdzv_conf timeout=S changes it)"
+    ) in out
 
 
 def registration(world_size, nnodes, gradient_bytes):
