@@ -47,7 +47,7 @@ from distune.launcher.options import (
     trial_pins,
     unused_tuning_flags,
 )
-from distune.launcher.placement import port_taken
+from distune.launcher.placement import port_taken, rendezvous_wait
 from distune.launcher.plan import (
     LaunchPlan,
     drop_trial_variables,
@@ -68,8 +68,11 @@ from distune.launcher.tuned_job import JOB_FILE, OtherJobError, TunedJob
 from distune.tuning_service.trials.trial_config import TrialPins
 
 
-def _run_workers(args: object, plan: LaunchPlan) -> int:
+def _run_workers(args: Any, plan: LaunchPlan) -> int:
     os.environ.update(plan.settings.to_env())
+    waits = rendezvous_wait(args)
+    if waits is not None:
+        print(f"distune: {waits}", flush=True)
     try:
         torchrun.run(args)
     except ChildFailedError as error:
@@ -206,7 +209,12 @@ def _stop_service(
         return
     best_file = str(options.autotune_best_file) if options.autotune_best_file else None
     lines = format_summary(
-        status, service.log_file, best_file, service_gone=gone, exit_code=exit_code
+        status,
+        service.log_file,
+        best_file,
+        service_gone=gone,
+        exit_code=exit_code,
+        launcher_failed=exit_code is None,
     )
     for line in lines:
         print(line, flush=True)

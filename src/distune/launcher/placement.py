@@ -13,7 +13,9 @@ without talking to the others:
 The service listens on the URL's address only, never on every interface, unless
 ``--autotune_service_bind`` asks for it: e.g. ``0.0.0.0`` in a container whose address differs
 from the one the other nodes use (published ports behind NAT). A wildcard address (``0.0.0.0``,
-``::``) in the workers' URL is refused: no worker can reach a service there.
+``::``) in the workers' URL is refused: no worker can reach a service there. So is, on the node
+that hosts the service, a URL address that is not this machine's when no bind address is given:
+the service could not listen there.
 """
 
 from __future__ import annotations
@@ -187,6 +189,32 @@ def _store_endpoint(args: argparse.Namespace, multi_node: bool) -> tuple[str, in
     return _split_endpoint(args.rdzv_endpoint, default)
 
 
+#: torch's static rendezvous time-out when ``--rdzv_conf timeout=`` leaves it unsaid.
+STATIC_RENDEZVOUS_TIMEOUT = 600
+
+
+def rendezvous_wait(args: argparse.Namespace) -> str | None:
+    """What a node of a multi-node job with static rendezvous waits for, said before it joins:
+    torch waits for the other nodes silently, up to its time-out (node 0 with its store up, the
+    others until it answers). None for any other job (one node, another backend)."""
+    _, max_nodes = parse_min_max_nnodes(args.nnodes)
+    store = _store_endpoint(args, multi_node=True)
+    if max_nodes < 2 or args.rdzv_backend != "static" or store is None:
+        return None
+    try:
+        config = _parse_rendezvous_config(args.rdzv_conf)
+        timeout = RendezvousParameters(
+            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id, 1, 1, **config
+        ).get_as_int("timeout", STATIC_RENDEZVOUS_TIMEOUT)
+    except ValueError:
+        return None  # torch refuses it itself, saying why
+    host, port = store
+    return (
+        f"node {args.node_rank} of {max_nodes}: waiting for the other nodes in torch's static "
+        f"rendezvous at {host}:{port} (up to {timeout} s; --rdzv_conf timeout=S changes it)"
+    )
+
+
 def _check_store_port(
     args: argparse.Namespace, placement: ServicePlacement, options: AutotuneOptions
 ) -> None:
@@ -221,6 +249,23 @@ def place_service(args: argparse.Namespace, options: AutotuneOptions) -> Service
     placement = _placement(args, options)
     _check_store_port(args, placement, options)
     return placement
+
+
+def _foreign_service_address(args: argparse.Namespace, options: AutotuneOptions, host: str) -> str:
+    """Why this node cannot host the service at ``host``, and what it may be given instead."""
+    if options.autotune_service_addr:
+        source = f"--autotune_service_addr {options.autotune_service_addr}"
+    elif args.rdzv_endpoint:
+        source = f"--rdzv_endpoint {args.rdzv_endpoint} (the service's default address)"
+    else:
+        source = f"--master_addr {host} (the service's default address)"
+    what = "is not an address of this machine" if _addresses(host) else "does not resolve here"
+    node = "node 0" if args.rdzv_backend == "static" else "the node that hosts the service"
+    return (
+        f"{source}: {host} {what}, and {node} (this one) listens there; give one of this "
+        "machine's addresses, or, where the other nodes reach it through another address "
+        "(NAT, published ports), also --autotune_service_bind with a local address or 0.0.0.0"
+    )
 
 
 def _placement(args: argparse.Namespace, options: AutotuneOptions) -> ServicePlacement:
@@ -268,6 +313,10 @@ def _placement(args: argparse.Namespace, options: AutotuneOptions) -> ServicePla
         configured = _configured_host(args)
         hosted_here = is_local_address(host) if configured is None else configured
     bind = _bind_address(options) if hosted_here else None
+    if hosted_here and bind is None and not is_local_address(host):
+        # It would listen on the workers' address: caught here, before anything starts, rather
+        # than as "cannot assign requested address" once the service does.
+        raise OptionError(_foreign_service_address(args, options, host))
     return ServicePlacement(
         hosted_here=hosted_here, host=host, port=port, multi_node=True, bind=bind or host
     )

@@ -20,6 +20,7 @@ def format_summary(
     *,
     service_gone: bool = False,
     exit_code: int | None = None,
+    launcher_failed: bool = False,
 ) -> list[str]:
     """Lines describing, per model, the chosen group, its score against the default's and the
     gain, how many groups were sampled, and where the log and best-file are.
@@ -27,7 +28,9 @@ def format_summary(
     With ``service_gone``, the service died during the job (which the launcher has reported
     already) and ``status`` is the last one it answered, if any. ``exit_code`` is the job's
     (None: unknown): a job that failed, or was stopped, before any model registered is not
-    said to have wrapped none.
+    said to have wrapped none. With ``launcher_failed``, the launcher itself stopped on an
+    error (a rendezvous that timed out, say), so no script may have run at all: it is not
+    blamed either.
     """
     lines = []
     if status is None and not service_gone:
@@ -69,7 +72,12 @@ def format_summary(
         # The service's verdict, unless the gain said it already (the default group leads).
         if model.get("verdict") and gain != _DEFAULT_LEADS:
             lines.append(f"  {model['verdict']}")
-    if status is not None and not lines and exit_code:
+    if status is not None and not lines and launcher_failed:
+        lines.append(
+            "distune: nothing was tuned: the launcher stopped on an error before any model "
+            "registered (see its error)"
+        )
+    elif status is not None and not lines and exit_code:
         lines.append(
             f"distune: no model registered with the tuning service: nothing was tuned (the job "
             f"ended with exit code {exit_code} before any model registered; see above why)"

@@ -2,7 +2,8 @@
 
 Every node's launcher uses one: node 0's publishes, records and finishes trials, every node's
 reads the current trial and reports its own outcome, any node's may stop the trials. A failure
-to reach the service is a :class:`~distune.errors.ServiceError`; a refusal (4xx) is a
+to reach the service is a :class:`~distune.errors.ServiceError` (a
+:class:`NothingListeningError` where its host refused the connection); a refusal (4xx) is a
 :class:`TrialRefusedError` carrying the service's own message.
 """
 
@@ -18,6 +19,28 @@ from distune.service_auth import bearer_headers, direct_session
 
 #: Seconds to wait for one answer; the service answers trial calls in microseconds.
 DEFAULT_TIMEOUT = 5.0
+
+
+class NothingListeningError(ServiceError):
+    """The service's host refused the connection: it is up, but nothing listens on that port
+    (node 0's service not started yet, or a URL that is not node 0's service)."""
+
+
+def _refused(error: BaseException) -> bool:
+    """Whether ``error`` (requests' wrapping of urllib3's of the socket's) is a refused
+    connection; the chain is followed through causes, contexts and urllib3's ``reason``."""
+    seen: set[int] = set()
+    pending: list[object] = [error]
+    while pending:
+        cause = pending.pop()
+        if not isinstance(cause, BaseException) or id(cause) in seen:
+            continue
+        if isinstance(cause, ConnectionRefusedError):
+            return True
+        seen.add(id(cause))
+        pending.extend([cause.__cause__, cause.__context__, getattr(cause, "reason", None)])
+        pending.extend(cause.args)
+    return False
 
 
 class TrialRefusedError(DistuneError):
@@ -45,6 +68,10 @@ class TrialClient:
                     timeout=self.timeout,
                 )  # fmt: skip
         except requests.RequestException as error:
+            if _refused(error):
+                raise NothingListeningError(
+                    f"cannot reach the tuning service at {self.url}: connection refused"
+                ) from None
             raise ServiceError(
                 f"cannot reach the tuning service at {self.url}: {type(error).__name__}"
             ) from None

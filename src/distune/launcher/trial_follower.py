@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from distune.errors import ServiceError
 from distune.launcher.level2 import DEFAULT_TRIAL_TIMEOUT, Chosen, trial_world
 from distune.launcher.options import AutotuneOptions, OptionError
 from distune.launcher.trial_args import rewrite_script_args
-from distune.launcher.trial_client import TrialClient, TrialRefusedError
+from distune.launcher.trial_client import NothingListeningError, TrialClient, TrialRefusedError
 from distune.launcher.trial_node import NodeTrials, TrialsStoppedError, settings_from_knobs
 from distune.launcher.trial_runner import TrialRunner
 from distune.launcher.tuned_job import TunedJob
@@ -32,6 +33,9 @@ from distune.tuning_service.trials.trial_config import TrialPins
 
 #: Seconds a follower waits for node 0's service to answer at all (node 0 may start later).
 START_WAIT = 300.0
+#: Seconds of refused connections before a follower says so once, while it goes on waiting:
+#: longer than launchers started together take to bring node 0's service up.
+REFUSED_HINT_AFTER = 10.0
 _POLL = 0.3
 
 
@@ -88,7 +92,7 @@ class TrialFollower:
     def _follow(self) -> tuple[str, Chosen | None]:
         done: set[int] = set()
         started = last_answer = time.monotonic()
-        answered = False
+        answered = hinted = False
         while True:
             try:
                 current = self.client.current(self.node.node_rank)
@@ -96,6 +100,10 @@ class TrialFollower:
                 waited = time.monotonic() - (last_answer if answered else started)
                 if waited > (self.lost_after if answered else START_WAIT):
                     raise TrialsStoppedError(f"{error} for {waited:.0f} s") from None
+                refused = isinstance(error, NothingListeningError)
+                if refused and not answered and not hinted and waited >= REFUSED_HINT_AFTER:
+                    hinted = True
+                    self._warn_refused()
                 time.sleep(1.0)
                 continue
             answered, last_answer = True, time.monotonic()
@@ -122,6 +130,18 @@ class TrialFollower:
                 self._say(f"trial {trial['trial']}: this node's ranks ended {run.outcome}")
             else:
                 time.sleep(_POLL)
+
+    def _warn_refused(self) -> None:
+        """Say once, early, that node 0's address answers but nothing listens at the URL: a
+        wrong --autotune_service_addr (or port) would otherwise be silent for START_WAIT."""
+        print(
+            f"distune: node {self.node.node_rank}: still trying to reach the tuning service at "
+            f"{self.client.url}: connection refused; is --autotune_service_addr (or "
+            "--master_addr, --autotune_service_port) node 0's? waiting up to "
+            f"{START_WAIT:g} s for node 0 to start it",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _check_job(self, theirs: dict[str, Any] | None) -> None:
         """Refuse (OptionError), and stop every node's trials, where node 0 launched another

@@ -2,7 +2,8 @@
 
 A trial's measurement holds for one script with its arguments (the flags ``arg_mappings``
 rewrites aside: they are what the trials vary), on one world of ranks and nodes, under one
-memory cap and one set of pinned values. ``--autotune_resume`` reuses trials by their
+memory cap and one set of pinned values, and for one content of the script: a script fixed
+since a trial crashed would crash no more. ``--autotune_resume`` reuses trials by their
 configuration alone, so resuming another job's directory would choose from measurements of
 something else: the launcher refuses it before anything starts, naming what differs.
 """
@@ -10,6 +11,7 @@ something else: the launcher refuses it before anything starts, naming what diff
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field, replace
@@ -21,6 +23,8 @@ from distune.launcher.trial_args import unmapped_args
 from distune.tuning_service.trials.trial_config import TrialPins
 
 JOB_FILE = "job.json"
+#: Fields an earlier version's job.json (or the job a node 0 of that version publishes) lacks.
+_ADDED_LATER = frozenset({"script_sha256"})
 
 
 class OtherJobError(ConfigError):
@@ -35,6 +39,21 @@ def _script(args: argparse.Namespace, absolute: bool = True) -> str:
     return os.path.abspath(args.training_script) if absolute else str(args.training_script)
 
 
+def script_sha256(args: argparse.Namespace) -> str | None:
+    """The SHA-256 of the training script's content (a directory's ``__main__.py``); None for
+    a module (``-m``), a program (``--no-python``) or a file that cannot be read, whose
+    content is not checked."""
+    if args.module or args.no_python:
+        return None
+    path = Path(args.training_script)
+    if path.is_dir():
+        path = path / "__main__.py"
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
 @dataclass(frozen=True)
 class TunedJob:
     """What the trials of one level-2 run measured: the same job measures the same."""
@@ -45,6 +64,7 @@ class TunedJob:
     nnodes: int
     device_memory: int | None
     pinned: dict[str, Any] = field(default_factory=dict)
+    script_sha256: str | None = None
 
     @classmethod
     def of(
@@ -66,6 +86,7 @@ class TunedJob:
             nnodes=nnodes,
             device_memory=device_memory,
             pinned=pinned,
+            script_sha256=script_sha256(args),
         )
 
     def as_given(self, args: argparse.Namespace) -> TunedJob:
@@ -78,12 +99,14 @@ class TunedJob:
         return dict(json.loads(json.dumps(asdict(self))))
 
     def differences(self, recorded: dict[str, Any], there: str) -> list[str]:
-        """Each field in which ``recorded`` (a job as JSON) differs from this one."""
+        """Each field in which ``recorded`` (a job as JSON) differs from this one. A field
+        added since the first ``job.json`` that it lacks was not recorded (an earlier version
+        wrote it): that one is not compared."""
         mine = self.to_json()
         return [
-            f"{name}: {recorded.get(name)!r} {there}, {mine[name]!r} here"
+            _difference(name, recorded.get(name), mine[name], there)
             for name in mine
-            if recorded.get(name) != mine[name]
+            if recorded.get(name) != mine[name] and (name in recorded or name not in _ADDED_LATER)
         ]
 
     def write(self, directory: Path) -> None:
@@ -109,7 +132,17 @@ class TunedJob:
         if differences:
             raise OtherJobError(
                 f"the trials in {directory} are of another job ({'; '.join(differences)}): "
-                "resume only the same script, arguments (the mapped flags aside), ranks, memory "
-                "cap and pinned values, or start afresh with a new --autotune_results_dir"
+                "resume only the same script, unchanged, with the same arguments (the mapped "
+                "flags aside), ranks, memory cap and pinned values, or start afresh with a new "
+                "--autotune_results_dir"
             )
         return True
+
+
+def _difference(name: str, theirs: Any, mine: Any, there: str) -> str:
+    if name == "script_sha256" and isinstance(theirs, str) and isinstance(mine, str):
+        return (
+            f"script_sha256: {theirs[:12]}... {there}, {mine[:12]}... here (the script's "
+            "content differs: what its trials measured, crashes included, may not hold)"
+        )
+    return f"{name}: {theirs!r} {there}, {mine!r} here"

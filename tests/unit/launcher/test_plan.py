@@ -6,7 +6,7 @@ import pytest
 
 from distune.launcher.main import main
 from distune.launcher.options import OptionError, parse
-from distune.launcher.placement import is_local_address, is_wildcard_address
+from distune.launcher.placement import is_local_address, is_wildcard_address, rendezvous_wait
 from distune.launcher.plan import (
     UNSHARED_STORE,
     drop_trial_variables,
@@ -250,8 +250,8 @@ def test_a_service_port_that_is_the_rendezvous_stores_is_refused(monkeypatch):
         ("--autotune_service_port", "29500"),  # one node: torch picks a free store port
         ("--standalone", "--autotune_service_port", "29400"),
         ("--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"),  # both pick free ports
-        ("--nnodes", "2", "--master_addr", "127.0.0.1", "--master_port", "29555",
-         "--autotune_service_addr", "http://192.0.2.10:29555"),  # another host
+        ("--nnodes", "2", "--node_rank", "1", "--master_addr", "127.0.0.1",
+         "--master_port", "29555", "--autotune_service_addr", "http://192.0.2.10:29555"),
     ):  # fmt: skip
         assert plan(*flags, *level).placement is not None
 
@@ -329,15 +329,58 @@ def test_bind_address_must_be_this_machines_and_match_the_url():
 
 def test_multi_node_binds_the_url_address_unless_told(monkeypatch):
     monkeypatch.setenv("DISTUNE_SERVICE_TOKEN", "s3cret")
-    node0 = ("--node_rank", "0", "--autotune_service_addr", "http://10.9.8.7:31000")
+    node0 = ("--node_rank", "0", "--autotune_service_addr", "http://127.0.0.1:31000")
     default = plan(*MULTI, *node0)
-    assert default.service_args[:4] == ("--host", "10.9.8.7", "--port", "31000")
+    assert default.service_args[:4] == ("--host", "127.0.0.1", "--port", "31000")
+    node0 = ("--node_rank", "0", "--autotune_service_addr", "http://10.9.8.7:31000")
     # Behind NAT: listen on every interface, while the other nodes use the public address.
     nat = plan(*MULTI, *node0, "--autotune_service_bind", "0.0.0.0")
     assert nat.service_args[:4] == ("--host", "0.0.0.0", "--port", "31000")
     assert nat.settings.service_url == "http://10.9.8.7:31000"
     other = plan(*MULTI, "--node_rank", "1", "--autotune_service_addr", "http://10.9.8.7:31000")
     assert other.service_args == ()
+
+
+@pytest.mark.parametrize(
+    ("flags", "source"),
+    [
+        (("--node_rank", "0", "--autotune_service_addr", "http://192.0.2.10:31000"),
+         r"--autotune_service_addr http://192\.0\.2\.10:31000: 192\.0\.2\.10 is not an address"),
+        (("--node_rank", "0", "--master_addr", "192.0.2.10"),
+         r"--master_addr 192\.0\.2\.10 \(the service's default address\): 192\.0\.2\.10 is not"),
+        (("--node_rank", "0", "--master_addr", "no-such-host.invalid"),
+         r"no-such-host\.invalid does not resolve here"),
+        (("--rdzv_backend", "c10d", "--rdzv_endpoint", "192.0.2.10:29400",
+          "--rdzv_conf", "is_host=1"), r"--rdzv_endpoint 192\.0\.2\.10:29400 \(the service"),
+    ],
+)  # fmt: skip
+def test_a_service_host_that_cannot_listen_at_its_address_is_refused_before_it_starts(
+    flags, source, monkeypatch
+):
+    # It used to start the service and exit 1 on "Cannot assign requested address".
+    monkeypatch.setenv("DISTUNE_SERVICE_TOKEN", "s3cret")
+    with pytest.raises(OptionError, match=source) as refused:
+        plan(*MULTI, *flags)
+    assert "give one of this machine's addresses" in str(refused.value)
+    assert "--autotune_service_bind" in str(refused.value)
+    # Where the other nodes use another address (NAT), a local bind address serves it.
+    assert plan(*MULTI, *flags, "--autotune_service_bind", "0.0.0.0").starts_service
+    # A host name of this machine is one of its addresses.
+    assert plan(*MULTI, "--node_rank", "0", "--master_addr", "localhost").starts_service
+
+
+def test_a_node_says_what_it_waits_for_in_torchs_static_rendezvous():
+    def wait(*argv):
+        return rendezvous_wait(parse([*argv, "train.py"])[0])
+
+    assert wait("--nnodes", "2", "--node_rank", "1", "--master_addr", "10.9.0.1") == (
+        "node 1 of 2: waiting for the other nodes in torch's static rendezvous at "
+        "10.9.0.1:29500 (up to 600 s; --rdzv_conf timeout=S changes it)"
+    )
+    timed = wait("--nnodes", "3", "--rdzv_endpoint", "h:7000", "--rdzv_conf", "timeout=30")
+    assert timed is not None and "node 0 of 3" in timed and "at h:7000 (up to 30 s;" in timed
+    assert wait("--nproc_per_node", "2") is None  # one node: nobody to wait for
+    assert wait("--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "h:1") is None
 
 
 def token_file(tmp_path, text="  file-token-123\n", mode=0o600):

@@ -1,6 +1,11 @@
 """The launcher's end-of-run summary."""
 
+import pytest
+from torch.distributed import DistError
+
+from distune.launcher.main import main
 from distune.launcher.summary import format_summary
+from tests.support.local_host import free_port_pair
 
 GROUP = {"id": 3, "hyperparameters": {"bucket_size_2p": 22, "is_hierarchical_reduce": False}}
 DEFAULT = {"id": 0, "hyperparameters": {"bucket_size_2p": 25, "is_hierarchical_reduce": False}}
@@ -154,6 +159,39 @@ def test_a_job_that_failed_before_any_model_registered_is_not_said_to_wrap_none(
     )
     (line,) = format_summary({"models": {}}, None, None, exit_code=0)
     assert "wrapped no model" in line
+
+
+def test_a_launcher_that_stopped_on_an_error_does_not_blame_the_script():
+    (line,) = format_summary({"models": {}}, None, None, launcher_failed=True)
+    assert line == (
+        "distune: nothing was tuned: the launcher stopped on an error before any model "
+        "registered (see its error)"
+    )
+
+
+@pytest.mark.slow
+def test_a_rendezvous_that_times_out_is_summed_up_as_the_launchers_error(
+    tmp_path, monkeypatch, capsys
+):
+    # Node 0 of two, the other never comes: torch's static rendezvous gives up (1 s here, 600 s
+    # by default) with an exception the launcher does not catch; no worker ever ran.
+    monkeypatch.setenv("DISTUNE_SERVICE_TOKEN", "a-token-of-this-job")
+    script = tmp_path / "t.py"
+    script.write_text("pass\n")
+    port = free_port_pair()
+    argv = ["--nnodes", "2", "--node_rank", "0", "--master_addr", "127.0.0.1",
+            "--master_port", str(port), "--rdzv_conf", "timeout=1",
+            "--nproc_per_node", "1", "--autotune_level", "1", str(script)]  # fmt: skip
+    with pytest.raises(DistError):
+        main(argv)
+    out = capsys.readouterr().out
+    assert "the launcher stopped on an error before any model registered" in out
+    assert "wrapped no model" not in out
+    # What it waited for was said as it began (torch's rendezvous itself is silent).
+    assert (
+        f"distune: node 0 of 2: waiting for the other nodes in torch's static rendezvous at "
+        f"127.0.0.1:{port} (up to 1 s; --rdzv_conf timeout=S changes it)"
+    ) in out
 
 
 def registration(world_size, nnodes, gradient_bytes):

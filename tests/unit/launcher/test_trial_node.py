@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 from waitress.server import create_server
 
+from distune.launcher import trial_follower
 from distune.launcher.level2 import Level2
 from distune.launcher.options import OptionError, parse
 from distune.launcher.trial_client import TrialClient
 from distune.launcher.trial_follower import TrialFollower
-from distune.launcher.trial_node import settings_from_knobs, stop_reason
+from distune.launcher.trial_node import TrialsStoppedError, settings_from_knobs, stop_reason
 from distune.launcher.trial_runner import TrialRun, classify
 from distune.tuning_service.app import create_app
 from distune.tuning_service.service import TuningService
@@ -25,6 +26,7 @@ from distune.tuning_service.trials.trial_config import TrialConfig, TrialPins
 from distune.tuning_service.trials.trial_result import TrialResult
 from distune.tuning_service.trials.trial_search import Proposal, TrialSearch
 from distune.tuning_service.trials.trial_space import TrialSpace
+from tests.support.local_host import free_port
 
 TOKEN = "node-token"
 
@@ -186,6 +188,37 @@ def test_a_node_started_with_the_same_job_from_another_directory_takes_part(tmp_
     follower = TrialFollower(args1, options1, TrialPins(), TrialClient("http://x:9", TOKEN))
     follower._check_job(level2.node_job)  # no refusal (the script is compared as given)
     follower._check_job(None)  # a node 0 of an earlier version publishes no job
+
+
+def test_a_follower_refused_by_node_0s_host_says_so_early_and_keeps_waiting(
+    tmp_path, monkeypatch, capsys
+):
+    # A wrong service URL on node 1 was silent for START_WAIT (300 s) before its one error.
+    monkeypatch.setattr(trial_follower, "START_WAIT", 3.0)
+    monkeypatch.setattr(trial_follower, "REFUSED_HINT_AFTER", 1.0)
+    url = f"http://127.0.0.1:{free_port()}"  # the host answers; nothing listens there
+    args1, options1 = parse(node_args(1, "--autotune_results_dir", str(tmp_path), "t.py"))
+    started = time.monotonic()
+    with pytest.raises(TrialsStoppedError, match=r"connection refused for \d+ s"):
+        TrialFollower(args1, options1, TrialPins(), TrialClient(url, TOKEN)).follow()
+    assert time.monotonic() - started >= 3.0  # the documented wait is kept
+    err = capsys.readouterr().err
+    hint = f"distune: node 1: still trying to reach the tuning service at {url}: connection refused"
+    assert err.count(hint) == 1, err
+    assert "is --autotune_service_addr" in err
+
+
+def test_a_follower_says_nothing_early_where_the_host_itself_is_unreachable(
+    tmp_path, monkeypatch, capsys
+):
+    # Not a refused connection: the refused-connection hint would be wrong.
+    monkeypatch.setattr(trial_follower, "START_WAIT", 1.5)
+    monkeypatch.setattr(trial_follower, "REFUSED_HINT_AFTER", 0.0)
+    args1, options1 = parse(node_args(1, "--autotune_results_dir", str(tmp_path), "t.py"))
+    client = TrialClient("http://no-such-host.invalid:9", TOKEN)
+    with pytest.raises(TrialsStoppedError, match="ConnectionError for"):
+        TrialFollower(args1, options1, TrialPins(), client).follow()
+    assert "still trying" not in capsys.readouterr().err
 
 
 class MeasuredRunner:

@@ -77,6 +77,48 @@ def test_a_resume_of_another_job_exits_2_before_anything_starts(tmp_path, capsys
     assert "tuning service" not in err.out
 
 
+def test_a_script_changed_since_its_trials_is_not_resumed(tmp_path, capsys):
+    # A crash recorded before the script was fixed used to be reused as if it still held.
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit(1)  # the bug\n")
+    results = earlier_run(tmp_path, ["--nproc_per_node", "2", str(script)])
+    assert resume(results, ["--nproc_per_node", "2", str(script)]) is True  # unchanged
+    script.write_text("pass  # fixed\n")
+    argv = ["--nproc_per_node", "2", "--autotune_level", "2", "--autotune_resume", str(results),
+            str(script)]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "distune-run: error: --autotune_resume: the trials in" in err
+    assert "(the script's content differs: what its trials measured, crashes included" in err
+    assert "resume only the same script, unchanged" in err
+    assert "start afresh with a new --autotune_results_dir" in err
+
+
+def test_a_directory_scripts_content_is_its_main(tmp_path):
+    package = tmp_path / "app"
+    package.mkdir()
+    (package / "__main__.py").write_text("pass\n")
+    results = earlier_run(tmp_path, [str(package)])
+    (package / "__main__.py").write_text("pass  # changed\n")
+    with pytest.raises(OtherJobError, match="script's content differs"):
+        resume(results, [str(package)])
+
+
+def test_a_job_json_of_an_earlier_version_is_resumed_without_the_content_check(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    results = earlier_run(tmp_path, [str(script)])
+    recorded = json.loads((results / JOB_FILE).read_text())
+    del recorded["script_sha256"]  # as an earlier version wrote it
+    (results / JOB_FILE).write_text(json.dumps(recorded))
+    script.write_text("pass  # changed\n")
+    assert resume(results, [str(script)]) is True
+    del recorded["world_size"]  # a field every version wrote is still compared
+    (results / JOB_FILE).write_text(json.dumps(recorded))
+    with pytest.raises(OtherJobError, match="world_size: None there, 1 here"):
+        resume(results, [str(script)])
+
+
 def test_a_results_directory_from_before_job_json_cannot_be_checked(tmp_path):
     results = earlier_run(tmp_path, ["train.py"])
     (results / JOB_FILE).unlink()
