@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tests.support.zygote import Zygote
+    from tests.support.zygote import ForkedRank, Zygote
 
 Scenario = Callable[[Path], Any]
 
@@ -53,30 +53,7 @@ def run_job(
     ``timeout`` seconds; no process is left behind either way."""
     out_dir.mkdir(parents=True, exist_ok=True)
     world_size = nodes * per_node
-    base = {k: v for k, v in os.environ.items() if not k.startswith("DISTUNE_")}
-    base.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(per_node),
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-    )
-    base.update(env or {})
-    zygotes = [_zygote(rank) for rank in range(world_size)]  # the first job's import at once
-    procs = [
-        zygotes[rank].fork(
-            [script, scenario, str(out_dir)],
-            dict(
-                base,
-                RANK=str(rank),
-                GROUP_RANK=str(rank // per_node),
-                LOCAL_RANK=str(rank % per_node),
-            ),
-            out_dir / f"rank{rank}.err",
-        )
-        for rank in range(world_size)
-    ]
+    procs = start_ranks([script, scenario, str(out_dir)], out_dir, nodes, per_node, env)
     deadline = time.monotonic() + timeout
     failed_at = None
     try:
@@ -104,6 +81,43 @@ def run_job(
         header = f"job {scenario!r} timed out after {timeout} s\n" if timed_out else ""
         raise AssertionError(header + "\n".join(problems))
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def start_ranks(
+    argv: list[str],
+    out_dir: Path,
+    nodes: int,
+    per_node: int,
+    env: Mapping[str, str] | None = None,
+) -> list[ForkedRank]:
+    """Start ``nodes`` x ``per_node`` gloo ranks of ``python *argv`` on loopback, forked from
+    the ranks' zygotes, each rank's stderr in ``out_dir/rank{r}.err``; the caller waits for
+    them and must kill them."""
+    world_size = nodes * per_node
+    base = {k: v for k, v in os.environ.items() if not k.startswith("DISTUNE_")}
+    base.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(per_node),
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    base.update(env or {})
+    zygotes = [_zygote(rank) for rank in range(world_size)]  # the first job's import at once
+    return [
+        zygotes[rank].fork(
+            argv,
+            dict(
+                base,
+                RANK=str(rank),
+                GROUP_RANK=str(rank // per_node),
+                LOCAL_RANK=str(rank % per_node),
+            ),
+            out_dir / f"rank{rank}.err",
+        )
+        for rank in range(world_size)
+    ]
 
 
 @functools.cache

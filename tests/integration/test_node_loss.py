@@ -23,7 +23,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from ddp_launch import _zygote, free_port  # the ranks' zygotes, shared with the other jobs
+from ddp_launch import start_ranks  # forked from the zygotes shared with the other jobs
 
 #: Seconds node 0's leader may take to fail once node 1 is gone (it takes about one here);
 #: the ranks' process-group timeout is far beyond it, so only a failure that does not wait for
@@ -35,29 +35,7 @@ LOST_AT_STEP = 3
 
 @pytest.mark.slow
 def test_the_surviving_leader_fails_at_once_when_a_node_dies_mid_hierarchical_allreduce(tmp_path):
-    per_node, nodes = 2, 2
-    base = {k: v for k, v in os.environ.items() if not k.startswith("DISTUNE_")}
-    base.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        WORLD_SIZE=str(per_node * nodes),
-        LOCAL_WORLD_SIZE=str(per_node),
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-    )
-    ranks = [
-        _zygote(rank).fork(
-            [__file__, str(tmp_path)],
-            dict(
-                base,
-                RANK=str(rank),
-                GROUP_RANK=str(rank // per_node),
-                LOCAL_RANK=str(rank % per_node),
-            ),
-            tmp_path / f"rank{rank}.err",
-        )
-        for rank in range(per_node * nodes)
-    ]
+    ranks = start_ranks([__file__, str(tmp_path)], tmp_path, nodes=2, per_node=2)
     try:
         lost = tmp_path / "lost"
         deadline = time.monotonic() + 120  # start-up on a loaded machine

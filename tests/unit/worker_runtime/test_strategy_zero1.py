@@ -5,24 +5,13 @@ the parameter-by-parameter broadcast cost about twice its line-rate time (BENCHM
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from distune.worker_runtime.strategy import apply
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_zero1_broadcasts_each_ranks_shard_as_one_tensor(one_rank, monkeypatch) -> None:
