@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from distune.launcher import placement
 from distune.launcher.options import build_parser, options_from_args
 from distune.launcher.plan import LaunchPlan, plan_launch
 from distune.space import Hyperparameters
@@ -215,6 +216,9 @@ def test_command_lines_parse_and_place_the_service_on_the_master(path, tmp_path,
             assert written is None or any(
                 written.is_relative_to(local) for local in mounts.values()
             ), written
+        # Planned as that pod: its own host name is this machine's (here, no name resolves).
+        own = f"{job['metadata']['name']}-{kind.lower()}-{index}"
+        monkeypatch.setattr(placement, "is_local_address", lambda host, own=own: host == own)
         plans[kind, index] = plan_launch(args, options)
 
     master = plans["Master", 0]

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from distune.launcher import placement
 from distune.launcher.level2 import trial_world
 from distune.launcher.options import build_parser, options_from_args
 from distune.launcher.plan import LaunchPlan, plan_launch, plan_trials
@@ -130,6 +131,9 @@ class Allocation:
             assert task["token"] and task["token"] not in " ".join(task["argv"])
             monkeypatch.setenv("DISTUNE_SERVICE_TOKEN", task["token"])
             args = build_parser().parse_args(task["argv"])
+            # Planned as that node: its host names (and their -ib interface's) are this machine's.
+            own = {NODES[node], f"{NODES[node]}-ib"}
+            monkeypatch.setattr(placement, "is_local_address", lambda host, own=own: host in own)
             result.append((args, plan_launch(args, options_from_args(args))))
         return result
 
@@ -231,6 +235,8 @@ def test_level_2_runs_on_the_recipe_s_rendezvous(allocation, monkeypatch, tmp_pa
         args = build_parser().parse_args(task["argv"])
         assert args.autotune_level == 2
         assert trial_world(args) == (2, 4)  # 2 nodes x 2 ranks, coordinated by node 0
+        own = NODES[node]  # planned as that node: its host name is this machine's
+        monkeypatch.setattr(placement, "is_local_address", lambda host, own=own: host == own)
         plan = plan_trials(args, options_from_args(args))
         assert plan.starts_service == (node == 0)
         assert plan.settings.service_url == f"http://{NODES[0]}:29401"
