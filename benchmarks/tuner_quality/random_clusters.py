@@ -36,7 +36,7 @@ latency or launches dominate, near the bottom where the tree keeps messages chea
 has slack and the exposed last bucket dominates.
 
 The draw is seeded: :func:`draw` with one seed is the *training* draw the tuner's settings are
-chosen on, with another the *held-out* draw the figures are reported on.
+chosen on, with another the draw the figures are reported on (``DRAW_SEEDS``).
 """
 
 from __future__ import annotations
@@ -48,9 +48,12 @@ from dataclasses import dataclass
 from benchmarks.tuner_quality.landscapes import Landscape
 from distune.space import Hyperparameters, ModelFacts
 
-#: Seeds of the two draws.
-TRAINING_SEED = 1
-HELD_OUT_SEED = 2
+#: Seeds of the draws, by name. Settings are chosen on the *training* draw. The *held-out* draw
+#: reported the figures of issue 14's first rounds, but from the seventh round on it also
+#: decided whether a change was kept, so its figures are no longer an estimate on clusters the
+#: settings never met. The *unseen* draw, made in the fifteenth round, replaces it: it is run
+#: once a round, for the table, with the configuration already chosen, and decides nothing.
+DRAW_SEEDS = {"training": 1, "held-out": 2, "unseen": 3}
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from benchmarks.tuner_quality.__main__ import DRAW_NOISE
 from benchmarks.tuner_quality.compare import compare, percentile_table, save_runs
 from benchmarks.tuner_quality.landscapes import Landscape
 from benchmarks.tuner_quality.measurement import NoiseModel
-from benchmarks.tuner_quality.random_clusters import HELD_OUT_SEED, TRAINING_SEED, draw
+from benchmarks.tuner_quality.random_clusters import DRAW_SEEDS, draw
 from benchmarks.tuner_quality.tuners import DistuneTuner, Trajectory
 from distune.space import BUCKET_SIZE_2P, IS_HIERARCHICAL_REDUCE, Hyperparameters, SearchSpace
 from distune.tuning_service import session as session_module
@@ -171,7 +171,7 @@ def timing(repeats: int) -> str:
     """Milliseconds per suggestion of each engine (CPU time, which the machine's load does not
     inflate, and wall time), told the true throughput of 6 and 12 groups of three held-out
     landscapes, side by side, with one BLAS thread."""
-    landscapes = draw(HELD_OUT_SEED, 3)
+    landscapes = draw(DRAW_SEEDS["held-out"], 3)
     rows = [
         "| engine | groups told | CPU ms per suggestion: median | max | wall ms: median |",
         "|---|---|---|---|---|",
@@ -208,7 +208,7 @@ def _optimizer(engine: str, space: SearchSpace, seed: int) -> GroupOptimizer:
 def main(argv: list[str] | None = None) -> int:
     """Run the study; print the percentile table (and write JSON with --json)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tuner_quality.sampler_study")
-    parser.add_argument("--draw", choices=("training", "held-out"), default="training")
+    parser.add_argument("--draw", choices=tuple(DRAW_SEEDS), default="training")
     parser.add_argument("--count", type=int, default=40)
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--first-seed", type=int, default=0)
@@ -223,11 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         print(timing(args.repeats))
         return 0
     chosen = [t for t in tuners() if not args.only or t.name in args.only.split(",")]
-    seed = TRAINING_SEED if args.draw == "training" else HELD_OUT_SEED
     budgets = [int(b) for b in args.budgets.split(",")]
     started = time.perf_counter()
     runs = compare(
-        chosen, draw(seed, args.count), args.seeds, budgets, DRAW_NOISE, args.jobs, args.first_seed
+        chosen, draw(DRAW_SEEDS[args.draw], args.count), args.seeds, budgets, DRAW_NOISE, args.jobs, args.first_seed
     )
     print(f"# {args.draw} draw, {args.count} landscapes x {args.seeds} seeds")
     print(f"{time.perf_counter() - started:.0f} s with {args.jobs} job(s)\n")

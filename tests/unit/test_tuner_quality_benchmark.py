@@ -21,8 +21,7 @@ from benchmarks.tuner_quality.compare import (
 from benchmarks.tuner_quality.landscapes import Landscape, hump_landscape, oracle_tables
 from benchmarks.tuner_quality.measurement import NoiseModel, SimulatedJob
 from benchmarks.tuner_quality.random_clusters import (
-    HELD_OUT_SEED,
-    TRAINING_SEED,
+    DRAW_SEEDS,
     RandomCluster,
     draw,
     optimum_position,
@@ -193,22 +192,23 @@ def test_launches_stall_the_backward_pass_only_once_the_host_has_no_slack() -> N
 
 
 def test_the_draws_put_the_best_bucket_size_across_the_whole_range() -> None:
-    positions = [optimum_position(landscape) for landscape in draw(TRAINING_SEED, 120)]
+    positions = [optimum_position(landscape) for landscape in draw(DRAW_SEEDS["training"], 120)]
     assert min(positions) < 0.1 and max(positions) > 0.9
     for low in (0.0, 0.25, 0.5, 0.75):
         assert any(low <= p < low + 0.25 for p in positions), low
 
 
-def test_a_draw_is_reproducible_from_its_seed_and_the_two_draws_differ() -> None:
-    first, again = draw(HELD_OUT_SEED, 5), draw(HELD_OUT_SEED, 5)
+def test_a_draw_is_reproducible_from_its_seed_and_the_draws_differ() -> None:
+    first, again = draw(DRAW_SEEDS["unseen"], 5), draw(DRAW_SEEDS["unseen"], 5)
     assert [ls.throughput for ls in first] == [ls.throughput for ls in again]
-    assert [ls.name for ls in first] != [ls.name for ls in draw(TRAINING_SEED, 5)]
+    names = {tuple(ls.name for ls in draw(seed, 5)) for seed in DRAW_SEEDS.values()}
+    assert len(names) == len(DRAW_SEEDS)
 
 
 def test_runs_saved_by_separate_processes_make_one_table(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    landscapes = draw(TRAINING_SEED, 2)
+    landscapes = draw(DRAW_SEEDS["training"], 2)
     for name, tuners, seeds in (("a", [RandomSearch()], 3), ("b", [GridSearch()], 1)):
         runs = compare(tuners, landscapes, seeds, [5, 8], NoiseModel())
         (tmp_path / f"{name}.json").write_text(json.dumps([dataclasses.asdict(r) for r in runs]))
@@ -244,14 +244,14 @@ def test_the_tuning_time_table_sets_it_against_the_budget_times_the_sampling_tim
     table = tuning_time_table(runs, [5, 8], 5.0)
     assert table.splitlines()[-1] == "| distune | 1.5 / 2.0 / 2.0 | 1.5 / 2.0 / 2.0 |"
     assert "grid" not in table
-    (measured,) = compare([GridSearch()], draw(TRAINING_SEED, 1), 1, [5], NoiseModel())
+    (measured,) = compare([GridSearch()], draw(DRAW_SEEDS["training"], 1), 1, [5], NoiseModel())
     assert 5 * 5.0 <= measured.tuning_seconds[0] < 5 * 5.0 * 1.5  # five samples of about T
 
 
 def test_saved_runs_without_the_checkpoints_asked_are_refused_naming_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    runs = compare([RandomSearch()], draw(TRAINING_SEED, 1), 1, [5, 8], NoiseModel())
+    runs = compare([RandomSearch()], draw(DRAW_SEEDS["training"], 1), 1, [5, 8], NoiseModel())
     (tmp_path / "a.json").write_text(json.dumps([dataclasses.asdict(r) for r in runs]))
     with pytest.raises(SystemExit):
         main(["--draw", "training", "--count", "1", "--runs", str(tmp_path / "a.json")])
@@ -261,7 +261,7 @@ def test_saved_runs_without_the_checkpoints_asked_are_refused_naming_them(
 
 def test_a_run_split_into_seed_chunks_is_the_same_as_one_run() -> None:
     """``--first-seed``: seeds 0-1 and 2-3 run apart give the runs of seeds 0-3 run at once."""
-    landscapes = draw(TRAINING_SEED, 2)
+    landscapes = draw(DRAW_SEEDS["training"], 2)
     whole = compare([RandomSearch()], landscapes, 4, [5], NoiseModel())
     first, second = (
         compare([RandomSearch()], landscapes, 2, [5], NoiseModel(), first_seed=s) for s in (0, 2)
