@@ -99,7 +99,7 @@ def sweep() -> list[Tuner]:
         _variant("close_call_time=20", close_call_time=20.0),
         _variant("close_call_time=80", close_call_time=80.0),
         _variant("max_windows=4096", max_windows=4096),
-        _variant("close_call_time=80, max_windows=4096", close_call_time=80.0, max_windows=4096),
+        _variant("close_call_time=80 & max_windows=4096", close_call_time=80.0, max_windows=4096),
     ]
 
 

@@ -264,7 +264,7 @@ class TuningConfig:
         _number(0.0, 1.0),
     )
     close_call_time: float = setting(
-        40.0,
+        80.0,
         "a close call's sample (the best group against the default while the gain is not "
         "proven) runs this many times sampling_confidence_time and min_windows, in legs of "
         "one sampling time that alternate the two",
@@ -287,7 +287,7 @@ class TuningConfig:
         _number(0.0, 0.9),
     )
     max_windows: int = setting(
-        256,
+        4096,
         "windows a sample keeps; past it neighbours are merged in pairs, so memory stays "
         "bounded while all time is counted",
         _integer(8, 1_000_000),
