@@ -226,7 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     budgets = [int(b) for b in args.budgets.split(",")]
     started = time.perf_counter()
     runs = compare(
-        chosen, draw(DRAW_SEEDS[args.draw], args.count), args.seeds, budgets, DRAW_NOISE, args.jobs, args.first_seed
+        chosen,
+        draw(DRAW_SEEDS[args.draw], args.count),
+        args.seeds,
+        budgets,
+        DRAW_NOISE,
+        args.jobs,
+        args.first_seed,
     )
     print(f"# {args.draw} draw, {args.count} landscapes x {args.seeds} seeds")
     print(f"{time.perf_counter() - started:.0f} s with {args.jobs} job(s)\n")
