@@ -97,9 +97,8 @@ def sweep() -> list[Tuner]:
         _variant("no early end", early_end_windows=0),
         _variant("gain_confidence=0.9", gain_confidence=0.90),
         _variant("close_call_time=20", close_call_time=20.0),
-        _variant("close_call_time=80", close_call_time=80.0),
-        _variant("max_windows=4096", max_windows=4096),
-        _variant("close_call_time=80 & max_windows=4096", close_call_time=80.0, max_windows=4096),
+        _variant("close_call_time=40", close_call_time=40.0),
+        _variant("max_windows=256", max_windows=256),
     ]
 
 
