@@ -189,6 +189,7 @@ def test_the_crash_shown_is_the_rank_that_failed_first_not_its_peers_collective(
     script = tmp_path / "rank_1_exits.py"
     script.write_text(RANK_1_EXITS)
     args, _ = parse(["--nproc_per_node", "2", str(script)])
+    started = time.time()
     run = TrialRunner(args, TRIAL_TIMEOUT, tmp_path / "trials").run(
         0, TrialSettings(micro_batch=2, accumulation=1), [], free_port()
     )
@@ -198,9 +199,14 @@ def test_the_crash_shown_is_the_rank_that_failed_first_not_its_peers_collective(
     assert run.error.startswith("rank 1 exited with status 1")
     assert run.error.splitlines()[-1] == "rank 1: corrupt shard 00017.bin"
     # When the cause failed, which a node's report carries (on two nodes the first to fail is
-    # the cause): rank 1's last output, before rank 0's report of its symptom.
-    symptom = json.loads((run.log_path.parent / "rank0.json").read_text())["time"]
-    assert run.failed_at is not None and symptom - 30 < run.failed_at <= symptom
+    # the cause): rank 1's last output, before rank 0's report of its symptom. Rank 0 reports
+    # only if its collective fails before torch's agent stops it, which a loaded machine may
+    # not reach (CI once saw no rank0.json).
+    assert run.failed_at is not None and started < run.failed_at <= time.time()
+    symptom_report = run.log_path.parent / "rank0.json"
+    if symptom_report.exists():
+        symptom = json.loads(symptom_report.read_text())["time"]
+        assert symptom - 30 < run.failed_at <= symptom
 
 
 # Starts helpers it would stop in its `finally`, which a measured rank's os._exit skips: one

@@ -2,8 +2,9 @@
 
 :class:`ServiceProcess` starts it with a token in its environment (never on its command line),
 reads the one-line announcement for its URL, talks to it with the token, and stops it with a
-signal, keeping what it wrote. The ``start_service`` fixture of tests/conftest.py stops every
-one a test started.
+signal, keeping what it wrote. What it writes is read as it comes: a service that logs more than
+a pipe holds (64 KiB: a few hundred samples' lines) would otherwise block in its logger and stop
+answering. The ``start_service`` fixture of tests/conftest.py stops every one a test started.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Any
+import threading
+from typing import IO, Any
 
 import requests
 
@@ -37,8 +39,11 @@ class ServiceProcess:
             env=env,
             text=True,
         )
+        self._stderr = _Drain(self.process.stderr)
+        self._stdout: _Drain | None = None
         assert self.process.stdout is not None
         line = self.process.stdout.readline()  # bounded by the test's timeout
+        self._stdout = _Drain(self.process.stdout)
         if not line:
             self.stop()
             raise RuntimeError(f"the service did not start: {self.output[1]}")
@@ -61,8 +66,29 @@ class ServiceProcess:
         if self.process.poll() is None:
             self.process.send_signal(sig)
         try:
-            self.output = self.process.communicate(timeout=15)
+            self.process.wait(timeout=15)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            self.output = self.process.communicate()
+            self.process.wait()
+        self.output = (self._stdout.text() if self._stdout else "", self._stderr.text())
         return self.process.returncode
+
+
+class _Drain:
+    """Reads a child's pipe to its end in a thread; :meth:`text` is all it read."""
+
+    def __init__(self, pipe: IO[str] | None) -> None:
+        assert pipe is not None
+        self._chunks: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(pipe,), daemon=True)
+        self._thread.start()
+
+    def _read(self, pipe: IO[str]) -> None:
+        with pipe:
+            for chunk in iter(lambda: pipe.read(65536), ""):
+                self._chunks.append(chunk)
+
+    def text(self) -> str:
+        """What the pipe carried; call once the child has exited."""
+        self._thread.join(timeout=15)
+        return "".join(self._chunks)
