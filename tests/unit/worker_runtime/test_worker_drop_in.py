@@ -242,9 +242,14 @@ def test_models_given_no_name_are_numbered_in_construction_order(tuning_world):
         assert (generator.name, discriminator.name) == ("model0", "model1")
         rewrapped = distune.DistributedDataParallel(discriminator.module)  # takes model1 over
         assert rewrapped.name == "model1" and discriminator._sync.stopped
-        wait_for(lambda: service.actions().count("register") == 3)
-        registered = [path for path, _, _ in service.requests if path.endswith("/register")]
-        assert sorted(registered) == [f"/api/v1/models/model{k}/register" for k in (0, 1, 1)]
+
+        def registered() -> list[str]:
+            return [path for path, _, _ in service.requests if path.endswith("/register")]
+
+        # model0's client may register again meanwhile (it retries a refused answer): on a
+        # loaded machine that came before the rewrapped model's registration.
+        wait_for(lambda: registered().count("/api/v1/models/model1/register") == 2)
+        assert set(registered()) == {f"/api/v1/models/model{k}/register" for k in (0, 1)}
         assert not generator._sync.stopped and not rewrapped._sync.stopped
 
 
