@@ -40,7 +40,7 @@ lint: install
 	$(VENV)/bin/mypy
 
 test: lint browser
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n 2 --dist loadgroup
 
 test-fast: lint
 	$(VENV)/bin/pytest -m "not slow"

@@ -185,13 +185,6 @@ class OptimizerSettings:
     stop_min_share: float = setting(
         0.5, "share of max_samples measured before an early stop", _number(0.0, 1.0)
     )
-    check_neighbours: bool = setting(
-        False,
-        "before the search stops early, the unmeasured neighbours (one bucket size step "
-        "either way) of the best-scored group are measured, and theirs in turn while one of "
-        "them scores best",
-        _instance(bool),
-    )
     max_buckets_2p: int | None = setting(
         8,
         "the search (initial design and Bayesian phase) keeps to bucket sizes that split the "

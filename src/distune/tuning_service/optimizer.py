@@ -128,35 +128,6 @@ class GroupOptimizer:
         improvement = float(np.max(gaussian_ei(candidates, model, y_opt=y_opt, xi=0.0)))
         return Suggestion(self._groups[best], improvement)
 
-    def unmeasured_neighbour(self) -> Hyperparameters | None:
-        """An unmeasured group one bucket size step from the best-scored one (the same
-        reduction, within the prior), the one the model predicts faster first; None when both
-        are measured or out of range.
-
-        The search stops early when the model expects little of any unmeasured group, and it
-        judges that from one noisy sample per group: on a flat peak, a group two or three
-        steps from the top can score best and the model, smoothing the others' samples, can
-        see nothing above it. Its neighbours settle it for the price of samples near the best
-        speed. Needs at least one score."""
-        if not self._scores:
-            raise RuntimeError("tell the optimizer a score before asking for a neighbour")
-        best = max(self._scores, key=self._scores.__getitem__)
-        low, high = self._prior_sizes
-        neighbours = [
-            i
-            for i, hp in enumerate(self._groups)
-            if hp not in self._scores
-            and abs(hp.bucket_size_2p - best.bucket_size_2p) == 1
-            and hp.is_hierarchical_reduce == best.is_hierarchical_reduce
-            and low <= hp.bucket_size_2p <= high
-        ]
-        if not neighbours:
-            return None
-        if len(neighbours) > 1:
-            predicted = self._fit().predict(self._transformed[neighbours])
-            neighbours = [neighbours[int(np.argmin(predicted))]]  # -ln(throughput): lowest
-        return self._groups[neighbours[0]]
-
     def _fit(self) -> GaussianProcessRegressor:
         if self._model is not None:
             return self._model

@@ -962,32 +962,22 @@ class TuningSession:
         if self._converged or not may_explore:
             return self._runner_up_first(remaining, self._default_to_confirm(remaining))
         try:
-            explore = self._explore()
+            suggestion = self._optimizer.suggest(self._sample_cost())
         except Exception:
             self._stop_searching()
             return self._next_sample()
-        if explore is not None:
-            return explore
+        settings = self.config.optimizer
+        if suggestion is not None:
+            improvement = suggestion.expected_improvement
+            if improvement is None:
+                return suggestion.hyperparameters, Phase.INITIAL
+            if (
+                improvement >= settings.stop_improvement
+                or len(self._measurements) < self._stop_min_groups
+            ):
+                return suggestion.hyperparameters, Phase.BAYES
         self._converged = True  # every group measured, or nothing left worth measuring
         return self._next_sample()
-
-    def _explore(self) -> tuple[Hyperparameters, Phase] | None:
-        """The unmeasured group the search measures next, or None: it has converged."""
-        assert self._optimizer is not None
-        suggestion = self._optimizer.suggest(self._sample_cost())
-        if suggestion is None:
-            return None
-        improvement = suggestion.expected_improvement
-        if improvement is None:
-            return suggestion.hyperparameters, Phase.INITIAL
-        settings = self.config.optimizer
-        if (
-            improvement >= settings.stop_improvement
-            or len(self._measurements) < self._stop_min_groups
-        ):
-            return suggestion.hyperparameters, Phase.BAYES
-        neighbour = self._optimizer.unmeasured_neighbour() if settings.check_neighbours else None
-        return None if neighbour is None else (neighbour, Phase.BAYES)
 
     def _runner_up_first(
         self, remaining: int, choice: tuple[Hyperparameters, Phase] | None
