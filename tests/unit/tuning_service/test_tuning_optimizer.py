@@ -165,35 +165,3 @@ def test_the_initial_design_spreads_over_the_middles_of_the_range_not_its_ends(s
 def test_bad_settings_are_refused_by_name(change, message):
     with pytest.raises(ConfigError, match=message):
         OptimizerSettings(**change)
-
-
-def test_the_best_scored_groups_unmeasured_neighbours_come_predicted_faster_first():
-    """2^16..2^24, flat or hierarchical. The best score is 2^20 flat's; of its neighbours 2^19
-    and 2^21 (flat: the same reduction), the measured slope says 2^21 is faster. Once both
-    are measured there is none (a group two steps away or of the other reduction is no
-    neighbour), until the lead moves to a group whose neighbours are not measured."""
-    optimizer = GroupOptimizer(SPACE, OptimizerSettings(), seed=0)
-    for size, score in {16: 40.0, 18: 70.0, 20: 100.0, 22: 95.0, 24: 60.0}.items():
-        optimizer.tell(Hyperparameters(size, False), score)
-    optimizer.tell(Hyperparameters(20, True), 50.0)
-    assert optimizer.unmeasured_neighbour() == Hyperparameters(21, False)
-    optimizer.tell(Hyperparameters(21, False), 98.0)
-    assert optimizer.unmeasured_neighbour() == Hyperparameters(19, False)
-    optimizer.tell(Hyperparameters(19, False), 90.0)
-    assert optimizer.unmeasured_neighbour() is None
-    optimizer.tell(Hyperparameters(20, True), 130.0)  # re-measured: it leads now
-    assert optimizer.unmeasured_neighbour() in (
-        Hyperparameters(19, True),
-        Hyperparameters(21, True),
-    )
-
-
-def test_a_neighbour_beyond_the_prior_is_not_proposed():
-    """A 2^30-byte model with at most 2^4 buckets: 2^26 and up. Best at 2^26, whose neighbour
-    2^25 (the default's bucket, here hierarchical) lies below the prior."""
-    optimizer = GroupOptimizer(LARGE, OptimizerSettings(max_buckets_2p=4), seed=0)
-    optimizer.tell(Hyperparameters(26, True), 100.0)
-    optimizer.tell(Hyperparameters(28, True), 50.0)
-    assert optimizer.unmeasured_neighbour() == Hyperparameters(27, True)
-    optimizer.tell(Hyperparameters(27, True), 60.0)
-    assert optimizer.unmeasured_neighbour() is None
