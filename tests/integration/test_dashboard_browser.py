@@ -137,13 +137,13 @@ def browser(tmp_path):
 
 
 def point_titles(browser, chart):
-    """Each sample point's tooltip, by sample number."""
-    return {
-        point.get_attribute("data-sample"): point.find_element(By.TAG_NAME, "title").get_attribute(
-            "textContent"
-        )
-        for point in browser.find_elements(By.CSS_SELECTOR, f"{chart} circle.sample")
-    }
+    """Each sample point's tooltip, by sample number; read in one call, since the chart is
+    drawn afresh at each poll and a point found before one is stale after it."""
+    return browser.execute_script(
+        "return Object.fromEntries([...document.querySelectorAll(arguments[0])].map("
+        "point => [point.dataset.sample, point.querySelector('title').textContent]));",
+        f"{chart} circle.sample",
+    )
 
 
 def png_size(data):
@@ -288,15 +288,18 @@ def test_the_dashboard_shows_level2_trials_and_the_best(service, browser, tmp_pa
     wait.until(lambda _: len(browser.find_elements(By.CSS_SELECTOR, rows)) == 3)
     headline = browser.find_element(By.ID, "trials-headline").text
     assert headline == "finished on 2 nodes; 3 trials recorded; chosen: trial 2"
-    cells = [
-        [cell.text for cell in row.find_elements(By.TAG_NAME, "td")]
-        for row in browser.find_elements(By.CSS_SELECTOR, rows)
-    ]
+    # Read in one call: the page renders the table afresh at each poll, and an element found
+    # before a poll is stale after it (CI once failed reading a cell between the two).
+    cells, best = browser.execute_script(
+        "const rows = [...document.querySelectorAll(arguments[0])];"
+        "return [rows.map(row => [...row.querySelectorAll('td')].map(td => td.innerText)),"
+        " rows.filter(row => row.classList.contains('best')).map(row => row.cells[0].innerText)];",
+        rows,
+    )
     assert cells[0][:6] == ["0", "search", "ddp", "2 x 2", "ok", "75.25 samples/s"]
     assert cells[0][7:9] == ["3.0 MiB", "2.0 MiB"]  # predicted, then measured peak
     assert cells[1][4] == "oom" and cells[1][9] == "OutOfMemoryError: over the cap"
-    best = browser.find_elements(By.CSS_SELECTOR, f"{rows}.best")
-    assert [row.find_element(By.TAG_NAME, "td").text for row in best] == ["2"]
+    assert best == ["2"]
     screenshot = browser.get_screenshot_as_png()  # docs/images/dashboard_trials.png is one
     (tmp_path / "dashboard_trials.png").write_bytes(screenshot)
     assert png_size(screenshot)[0] >= 800 and len(screenshot) > 20_000
