@@ -40,7 +40,6 @@ class ServiceProcess:
             text=True,
         )
         self._stderr = _Drain(self.process.stderr)
-        self._stdout: _Drain | None = None
         assert self.process.stdout is not None
         line = self.process.stdout.readline()  # bounded by the test's timeout
         self._stdout = _Drain(self.process.stdout)
@@ -70,7 +69,7 @@ class ServiceProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-        self.output = (self._stdout.text() if self._stdout else "", self._stderr.text())
+        self.output = (self._stdout.text(), self._stderr.text())
         return self.process.returncode
 
 
