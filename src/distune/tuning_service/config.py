@@ -272,12 +272,6 @@ class TuningConfig:
         metavar="K",
         flag=True,
     )
-    proven_choice: bool = setting(
-        False,
-        "a group confirmed in plain samples is chosen over one measured in a close call only "
-        "when measurably faster than it (at gain_confidence)",
-        _instance(bool),
-    )
     max_models: int = setting(
         256,
         "how many model sessions the service tunes at most (a model registered again with "

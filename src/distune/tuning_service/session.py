@@ -245,8 +245,6 @@ class _Measurements(_Windows):
     #: sample scored high, which is partly luck (the best of many noisy scores); its gain is
     #: claimed from these windows alone, which that selection did not see.
     confirming: list[Window] = field(default_factory=list)
-    #: Some of its samples were a close call's legs: its score rests on many legs' windows.
-    close_called: bool = False
 
     #: The trimmed means of ``windows`` and of the judged windows, kept as they change
     #: (:meth:`add`): they are read at every window and every claim.
@@ -259,7 +257,6 @@ class _Measurements(_Windows):
             self.confirming = bounded(self.confirming + sample.windows, max_windows)
         self.invalid += sample.invalid
         self.samples += 1
-        self.close_called |= sample.close_call
         if sample.windows:
             # The sample's own robust score: a stall in one window moves it no more than the
             # score the group is judged by.
@@ -645,7 +642,6 @@ class TuningSession:
         samples: int = 1,
         comparisons: int = 1,
         confidence: float | None = None,
-        against: _Measurements | None = None,
     ) -> tuple[float, tuple[float, float]] | None:
         """The gain over the default group of a group scored ``score`` from ``windows`` (of
         ``samples`` samples), and its ``gain_confidence`` interval: the difference of the two
@@ -657,9 +653,8 @@ class TuningSession:
         ``comparisons``: the group was chosen as the best of this many candidates, each with
         its own interval; each is then widened to ``1 - (1 - gain_confidence) / comparisons``
         (Bonferroni), so that all of them, and so the chosen one's, hold the true gains with
-        at least ``gain_confidence`` however the choice fell. ``against``: another group's
-        measurements to compare with instead of the default's."""
-        default = self._measurements.get(self.space.default) if against is None else against
+        at least ``gain_confidence`` however the choice fell."""
+        default = self._measurements.get(self.space.default)
         if default is None or not windows:
             return None
         # The default's first sample is left out as well once it has later ones: a group
@@ -776,31 +771,7 @@ class TuningSession:
         must not win over one whose score has survived a second look."""
         candidates = self._candidates()
         hp = max(candidates, key=lambda hp: candidates[hp].score)
-        if self.config.proven_choice:
-            hp = self._proven_unless_beaten(hp, candidates)
         return self._claim(hp, candidates)
-
-    def _proven_unless_beaten(
-        self, hp: Hyperparameters, candidates: dict[Hyperparameters, _Measurements]
-    ) -> Hyperparameters:
-        """``hp``, the best-scored candidate, if it was measured in a close call or is
-        measurably faster than the best-scored group that was (its windows against that
-        group's, at ``gain_confidence``); else that group. Runners-up are confirmed with one
-        plain sample each, and the best of several such scores is high by luck: against a
-        group whose score rests on a close call's legs, a lead within the noise is that luck
-        (docs/tuning_service.md, "Tried in the sixteenth round")."""
-        default = self.space.default
-        proven = [other for other, m in candidates.items() if m.close_called and other != default]
-        if hp == default or candidates[hp].close_called or not proven:
-            return hp
-        anchor = max(proven, key=lambda other: candidates[other].score)
-        # The lead as the choice sees it: pooled over the runner-up's samples.
-        measured = candidates[hp]
-        gain = self._gain_interval(
-            measured.windows, measured.score, measured.samples, against=candidates[anchor]
-        )
-        assert gain is not None
-        return hp if gain[1][0] > 0 else anchor
 
     def _candidates(self) -> dict[Hyperparameters, _Measurements]:
         """The groups the choice is made among: the confirmed ones, or all while none is."""
