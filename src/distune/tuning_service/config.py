@@ -272,6 +272,12 @@ class TuningConfig:
         metavar="K",
         flag=True,
     )
+    proven_fallback: bool = setting(
+        False,
+        "when the best-scored confirmed group is not measurably faster than the default, the "
+        "session completes on the best-scored one that is (if any) rather than the default",
+        _instance(bool),
+    )
     max_models: int = setting(
         256,
         "how many model sessions the service tunes at most (a model registered again with "

@@ -874,9 +874,24 @@ class TuningSession:
             return self._group
         return next(r.group for r in reversed(self._records) if r.group.hyperparameters == hp)
 
+    def _final_choice(self) -> Best:
+        """The group to complete on, before the default replaces an unproven one: the best
+        group (:meth:`_best_so_far`); with ``proven_fallback``, when it is not measurably
+        faster than the default, the best-scored candidate that is, if any. Every
+        candidate's interval allows for all of them (:meth:`_claim`), so the fallback's
+        claim is as honest as the best group's would have been."""
+        best = self._best
+        assert best is not None
+        if best.measurably_faster or not self.config.proven_fallback:
+            return best
+        candidates = self._candidates()
+        default = self.space.default
+        ranked = sorted(candidates, key=lambda hp: candidates[hp].score, reverse=True)
+        claims = (self._claim(hp, candidates) for hp in ranked if hp != default)
+        return next((claim for claim in claims if claim.measurably_faster), best)
+
     def _complete(self, train_iter: int) -> SampleRecord:
-        assert self._best is not None
-        best, default = self._best, self.space.default
+        best, default = self._final_choice(), self.space.default
         if best.group.hyperparameters != default and not best.measurably_faster:
             # The gain is within the noise: keep the default, and say how close they are.
             low, high = best.gain_interval or (0.0, 0.0)
