@@ -100,6 +100,7 @@ def sweep() -> list[Tuner]:
         _variant("close_call_time=40", close_call_time=40.0),
         _variant("max_windows=256", max_windows=256),
         _variant("proven fallback", proven_fallback=True),
+        _variant("settle runners-up", proven_fallback=True, settle_runners_up=True),
     ]
 
 

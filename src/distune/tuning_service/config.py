@@ -278,6 +278,12 @@ class TuningConfig:
         "session completes on the best-scored one that is (if any) rather than the default",
         _instance(bool),
     )
+    settle_runners_up: bool = setting(
+        False,
+        "before completing with budget left, the best-scored confirmed group and a confirmed "
+        "group within confirm_margin of it that it has not met in a close call meet in one",
+        _instance(bool),
+    )
     max_models: int = setting(
         256,
         "how many model sessions the service tunes at most (a model registered again with "

@@ -388,6 +388,10 @@ class TuningSession:
         # of its legs are still to measure.
         self._legs: tuple[Hyperparameters, Hyperparameters] | None = None
         self._legs_left = 0
+        # The pairs of groups that have met in a close call, and the other group of a close
+        # call between two confirmed groups that _next_sample chose, for apply to begin.
+        self._met: set[frozenset[Hyperparameters]] = set()
+        self._partner: Hyperparameters | None = None
         self.stale_reports = 0
         self.view = self._make_view()
 
@@ -502,9 +506,14 @@ class TuningSession:
             records.append(final)
         else:
             hp, phase = choice
-            close_call = bool(self._legs_left) or (phase is Phase.CONFIRM and self._close_call(hp))
+            partner, self._partner = self._partner, None
+            close_call = (
+                bool(self._legs_left)
+                or partner is not None
+                or (phase is Phase.CONFIRM and self._close_call(hp))
+            )
             if close_call and not self._legs_left:
-                hp = self._begin_legs(hp)
+                hp = self._begin_legs(hp, partner)
             self._group = Group(self._group.id + 1, hp)
             self._sample = _Sample(group=self._group, phase=phase, close_call=close_call)
             self._discard_next = True
@@ -847,7 +856,7 @@ class TuningSession:
             return False
         return not self._clearly_faster(challenger)
 
-    def _begin_legs(self, hp: Hyperparameters) -> Hyperparameters:
+    def _begin_legs(self, hp: Hyperparameters, other: Hyperparameters | None) -> Hyperparameters:
         """Start a close call's budget sample on ``hp``: ``close_call_time`` sampling times
         spent in legs that alternate ``hp`` and the other group of the close call (the default
         or the challenger). Each leg is measured after a switch, so each has its own share of
@@ -855,16 +864,19 @@ class TuningSession:
         one sample runs, is averaged over many legs, not over one or two samples. The first leg
         is the group that is not running: a leg of the group just measured would share that
         measurement's conditions (a lucky first sample's luck with it). Returns the first
-        leg's group."""
-        challenger = self._challenger()
-        default = self.space.default
-        other = default if hp != default else None
-        if other is None and challenger is not None:
-            other = challenger.group.hyperparameters
+        leg's group. ``other``: the other group, if not the default (or, for the default, the
+        challenger)."""
+        if other is None:
+            challenger = self._challenger()
+            default = self.space.default
+            other = default if hp != default else None
+            if other is None and challenger is not None:
+                other = challenger.group.hyperparameters
         if other is None or other == hp:
             return hp
         self._legs_left = _legs_per_sample(self.config.close_call_time)
         self._legs = (hp, other)
+        self._met.add(frozenset(self._legs))
         if self._group.hyperparameters == hp and self._legs_left > 1:
             self._legs = (other, hp)
         return self._legs[0]
@@ -975,7 +987,8 @@ class TuningSession:
         if to_confirm and room and (self._converged or not may_explore):
             return to_confirm[0], Phase.CONFIRM
         if self._converged or not may_explore:
-            return self._runner_up_first(remaining, self._default_to_confirm(remaining))
+            choice = self._runner_up_first(remaining, self._default_to_confirm(remaining))
+            return self._settling(remaining) if choice is None else choice
         try:
             suggestion = self._optimizer.suggest(self._sample_cost())
         except Exception:
@@ -1019,6 +1032,32 @@ class TuningSession:
         if runners and choice is None:
             return runners[0], Phase.CONFIRM
         return choice
+
+    def _settling(self, remaining: int) -> tuple[Hyperparameters, Phase] | None:
+        """With ``settle_runners_up`` and budget left, a close call between the best-scored
+        confirmed group and the best-scored one within ``confirm_margin`` of it that it has
+        not met in one (its partner is left in ``_partner`` for :meth:`apply`); None:
+        complete. The default is left out: its comparisons are the close calls already.
+
+        Two groups within a few percent, each confirmed in plain samples, are told apart by
+        luck: the runner-up's confirming sample is the best of several such samples, and a
+        close call proves a group against the default, not against its neighbours."""
+        if not self.config.settle_runners_up or remaining <= 0 or not self.config.confirm_top:
+            return None
+        default = self.space.default
+        measured = self._measurements
+        confirmed = [hp for hp, m in measured.items() if m.samples >= 2 and hp != default]
+        if len(confirmed) < 2:
+            return None
+        top, *others = sorted(confirmed, key=lambda hp: measured[hp].score, reverse=True)
+        floor = measured[top].score * (1.0 - self.config.confirm_margin)
+        for other in others:
+            if measured[other].score < floor:
+                break
+            if frozenset((top, other)) not in self._met:
+                self._partner = other
+                return top, Phase.CONFIRM
+        return None
 
     def _default_to_confirm(self, remaining: int) -> tuple[Hyperparameters, Phase] | None:
         """The default group again, if another group is about to be chosen over it on one
@@ -1126,6 +1165,7 @@ class TuningSession:
         self._round_start = self._spent
         self._round_budget = self.config.retune_samples
         self._measurements = {}
+        self._met = set()
         self._noise_cache = None
         self._best = None
         self._converged = False
