@@ -99,8 +99,9 @@ def sweep() -> list[Tuner]:
         _variant("close_call_time=20", close_call_time=20.0),
         _variant("close_call_time=40", close_call_time=40.0),
         _variant("max_windows=256", max_windows=256),
-        _variant("proven fallback", proven_fallback=True),
-        _variant("settle runners-up", proven_fallback=True, settle_runners_up=True),
+        _variant("no proven fallback", proven_fallback=False),
+        _variant("no settling", settle_runners_up=False),
+        _variant("neither", proven_fallback=False, settle_runners_up=False),
     ]
 
 

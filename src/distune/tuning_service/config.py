@@ -273,13 +273,13 @@ class TuningConfig:
         flag=True,
     )
     proven_fallback: bool = setting(
-        False,
+        True,
         "when the best-scored confirmed group is not measurably faster than the default, the "
         "session completes on the best-scored one that is (if any) rather than the default",
         _instance(bool),
     )
     settle_runners_up: bool = setting(
-        False,
+        True,
         "before completing with budget left, the best-scored confirmed group and a confirmed "
         "group within confirm_margin of it that it has not met in a close call meet in one",
         _instance(bool),
