@@ -266,8 +266,9 @@ class TuningConfig:
     close_call_time: float = setting(
         80.0,
         "a close call's sample (the best group against the default while the gain is not "
-        "proven) runs this many times sampling_confidence_time and min_windows, in legs of "
-        "one sampling time that alternate the two",
+        "proven, or two near-equal confirmed groups) runs this many times "
+        "sampling_confidence_time and min_windows, in legs of one sampling time that "
+        "alternate the two",
         _number(1.0, 100.0),
         metavar="K",
         flag=True,
